@@ -1,0 +1,167 @@
+"""Model dimensions: the hyperparameters every module is built from.
+
+model_dir.py fills these from an official `cosyvoice2.yaml` + `CosyVoice-BlankEN/config.json`;
+tools/make_random_model.py writes directories from them. Defaults are the official
+CosyVoice2-0.5B values (facts sheet §1.2, §2.1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPEECH_TOKEN_SIZE = 6561
+EOS_TOKEN = 6561  # speech_token_size
+EOS2_TOKEN = 6562
+FILL_TOKEN = 6563  # speech_token_size + 2, bistream only
+STOP_TOKENS = (EOS_TOKEN, EOS2_TOKEN, FILL_TOKEN)
+SPEECH_VOCAB = SPEECH_TOKEN_SIZE + 3  # rows of speech_embedding / llm_decoder
+SOS_ROW = 0  # rows of llm_embedding
+TASK_ROW = 1
+
+
+@dataclass(frozen=True)
+class Qwen2Dims:
+    hidden_size: int = 896
+    intermediate_size: int = 4864
+    num_layers: int = 24
+    num_heads: int = 14
+    num_kv_heads: int = 2
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    vocab_size: int = 151936
+    max_position_embeddings: int = 32768
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class RASParams:
+    """Repetition-aware sampling (yaml `llm.sampling`)."""
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+
+
+@dataclass(frozen=True)
+class LMDims:
+    qwen: Qwen2Dims = field(default_factory=Qwen2Dims)
+    llm_input_size: int = 896
+    llm_output_size: int = 896
+    speech_token_size: int = SPEECH_TOKEN_SIZE
+    mix_ratio: tuple[int, int] = (5, 15)
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+
+
+@dataclass(frozen=True)
+class EncoderDims:
+    """UpsampleConformerEncoder (flow.encoder)."""
+    input_size: int = 512
+    output_size: int = 512
+    attention_heads: int = 8
+    linear_units: int = 2048
+    num_blocks: int = 6
+    num_up_blocks: int = 4  # hard-coded upstream
+    static_chunk_size: int = 25  # tokens; the up-layers use static_chunk_size * upsample_stride
+    pre_lookahead_len: int = 3
+    upsample_stride: int = 2
+
+
+@dataclass(frozen=True)
+class EstimatorDims:
+    """CausalConditionalDecoder (flow.decoder.estimator)."""
+    in_channels: int = 320
+    out_channels: int = 80
+    channels: tuple[int, ...] = (256,)
+    attention_head_dim: int = 64
+    n_blocks: int = 4
+    num_mid_blocks: int = 12
+    num_heads: int = 8
+    act_fn: str = "gelu"
+    static_chunk_size: int = 50  # mel frames
+
+
+@dataclass(frozen=True)
+class CFMParams:
+    sigma_min: float = 1e-6
+    t_scheduler: str = "cosine"
+    inference_cfg_rate: float = 0.7
+    n_timesteps: int = 10
+    noise_frames: int = 15000  # rand_noise = (seed 0) randn(1, 80, noise_frames)
+
+
+@dataclass(frozen=True)
+class FlowDims:
+    input_size: int = 512
+    output_size: int = 80
+    spk_embed_dim: int = 192
+    vocab_size: int = SPEECH_TOKEN_SIZE
+    token_mel_ratio: int = 2
+    pre_lookahead_len: int = 3
+    input_frame_rate: int = 25
+    encoder: EncoderDims = field(default_factory=EncoderDims)
+    estimator: EstimatorDims = field(default_factory=EstimatorDims)
+    cfm: CFMParams = field(default_factory=CFMParams)
+
+
+@dataclass(frozen=True)
+class HiFTDims:
+    in_channels: int = 80
+    base_channels: int = 512
+    nb_harmonics: int = 8
+    sampling_rate: int = 24000
+    nsf_alpha: float = 0.1
+    nsf_sigma: float = 0.003
+    nsf_voiced_threshold: float = 10.0
+    upsample_rates: tuple[int, ...] = (8, 5, 3)
+    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
+    istft_n_fft: int = 16
+    istft_hop_len: int = 4
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
+    lrelu_slope: float = 0.1
+    audio_limit: float = 0.99
+    f0_num_class: int = 1
+    f0_in_channels: int = 80
+    f0_cond_channels: int = 512
+
+    @property
+    def samples_per_frame(self) -> int:
+        n = self.istft_hop_len
+        for r in self.upsample_rates:
+            n *= r
+        return n
+
+
+@dataclass(frozen=True)
+class MelDims:
+    """yaml `feat_extractor` (matcha mel_spectrogram) for the 24 kHz prompt mel."""
+    n_fft: int = 1920
+    num_mels: int = 80
+    sampling_rate: int = 24000
+    hop_size: int = 480
+    win_size: int = 1920
+    fmin: float = 0.0
+    fmax: float | None = 8000.0
+    center: bool = False
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    sample_rate: int = 24000
+    token_frame_rate: int = 25
+    token_mel_ratio: int = 2
+    chunk_size: int = 25
+    lm: LMDims = field(default_factory=LMDims)
+    sampling: RASParams = field(default_factory=RASParams)
+    flow: FlowDims = field(default_factory=FlowDims)
+    hift: HiFTDims = field(default_factory=HiFTDims)
+    feat: MelDims = field(default_factory=MelDims)
+
+    @property
+    def samples_per_token(self) -> int:
+        return self.hift.samples_per_frame * self.token_mel_ratio
