@@ -1,0 +1,103 @@
+"""Service configuration: pydantic models loaded from YAML plus environment overrides.
+
+Environment overrides use `ASYNC_COSYVOICE__<SECTION>__<FIELD>` (double underscores), e.g.
+`ASYNC_COSYVOICE__SERVER__PORT=50052`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV_PREFIX = "ASYNC_COSYVOICE__"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    dir: Path | None = None  # None: the generated tiny random-weight demo model
+    device: str = "cpu"
+    llm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    flow_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class EngineConfig(_Section):
+    """LLM engine. `vllm_*` fields map onto vLLM's AsyncEngineArgs (the peer's ENGINE_ARGS)."""
+    kind: Literal["native", "vllm"] = "native"
+    max_num_seqs: int = Field(64, ge=1)
+    max_model_len: int = Field(4096, ge=64)
+    max_num_batched_tokens: int = Field(4096, ge=64)
+    cuda_graphs: bool = True
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    enforce_eager: bool = True
+    cpu_kvcache_space_gib: int = Field(1, ge=1)
+
+
+class SamplingConfig(_Section):
+    """Defaults for RAS; None means: take the model yaml's value."""
+    top_p: float | None = None
+    top_k: int | None = None
+    win_size: int | None = None
+    tau_r: float | None = None
+
+
+class Token2WavConfig(_Section):
+    first_hop: int = Field(15, ge=1)  # speech tokens in the first streamed chunk
+    max_hop_multiple: int = Field(4, ge=1)
+    estimator: Literal["torch", "compiled", "onnxruntime", "tensorrt"] = "torch"
+    batching: bool = True
+    max_batch: int = Field(32, ge=1)
+
+
+class SpeakerConfig(_Section):
+    dir: Path = Path("spk2info")
+    cache_size: int = Field(256, ge=1)
+
+
+class LimitsConfig(_Section):
+    max_concurrent_streams: int = Field(64, ge=1)
+    max_text_chars: int = Field(4000, ge=1)
+    max_prompt_seconds: float = Field(30.0, gt=0)
+    max_message_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    auth_token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    grace_seconds: float = 10.0
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    token2wav: Token2WavConfig = Token2WavConfig()
+    speakers: SpeakerConfig = SpeakerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    server: ServerConfig = ServerConfig()
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, env: dict[str, str] | None = None) -> "Config":
+        data: dict = {}
+        if path is not None:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: expected a mapping of sections at top level")
+        for key, value in (os.environ if env is None else env).items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            parts = key[len(ENV_PREFIX):].lower().split("__")
+            if len(parts) != 2:
+                raise ValueError(f"{key}: expected {ENV_PREFIX}<SECTION>__<FIELD>")
+            data.setdefault(parts[0], {})[parts[1]] = yaml.safe_load(value)
+        return cls.model_validate(data)

@@ -1,0 +1,32 @@
+"""Errors callers can act on. The gRPC layer maps each to one status code."""
+
+
+class CosyVoiceError(Exception):
+    """Base class for errors raised to callers of the library."""
+
+
+class InvalidRequest(CosyVoiceError, ValueError):
+    """The request is malformed (empty text, bad audio, out-of-range option). -> INVALID_ARGUMENT"""
+
+
+class SpeakerNotFound(CosyVoiceError, KeyError):
+    """No speaker with that id. -> NOT_FOUND"""
+
+    def __str__(self):  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else "speaker not found"
+
+
+class SpeakerExists(CosyVoiceError):
+    """A speaker with that id exists and overwrite was not asked for. -> ALREADY_EXISTS"""
+
+
+class NotReady(CosyVoiceError):
+    """The model is still loading or the service is shutting down. -> UNAVAILABLE"""
+
+
+class Overloaded(CosyVoiceError):
+    """Too many concurrent requests. -> RESOURCE_EXHAUSTED"""
+
+
+class Unsupported(CosyVoiceError):
+    """A valid request this model or configuration cannot serve. -> FAILED_PRECONDITION"""
