@@ -64,6 +64,7 @@ class LimitsConfig(_Section):
     max_text_chars: int = Field(4000, ge=1)
     max_prompt_seconds: float = Field(30.0, gt=0)
     max_message_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_source_seconds: float = Field(120.0, gt=0)  # vc source audio
 
 
 class ServerConfig(_Section):
@@ -73,6 +74,7 @@ class ServerConfig(_Section):
     auth_token: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: clients must present a certificate signed by it (mTLS)
     grace_seconds: float = 10.0
 
 

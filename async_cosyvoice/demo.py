@@ -1,0 +1,38 @@
+"""The demo model: a tiny random-weight CosyVoice2 directory generated once into a cache folder.
+
+It makes the embedded default run anywhere without a download. It speaks noise, not words.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "ASYNC_COSYVOICE_CACHE"
+DEMO_PRESET = "tiny"
+DEMO_SEED = 0
+
+
+def cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "async_cosyvoice"
+    return Path(os.environ.get(CACHE_ENV, default)).expanduser()
+
+
+def demo_model_dir() -> Path:
+    """Path of the demo model, generated on first use (a few seconds)."""
+    from .tools.make_random_model import make_random_model
+
+    path = cache_dir() / f"cosyvoice2-{DEMO_PRESET}-random-seed{DEMO_SEED}"
+    return make_random_model(DEMO_PRESET, path, seed=DEMO_SEED)
+
+
+def resolve_model_dir(model_dir: str | Path | None) -> Path:
+    """The configured model directory, or the demo model (with a loud warning) when none is set."""
+    if model_dir is not None:
+        return Path(model_dir).expanduser()
+    path = demo_model_dir()
+    log.warning("No model directory given: using the tiny RANDOM-WEIGHT demo model at %s. "
+                "It produces noise, not speech. Pass --model-dir /path/to/CosyVoice2-0.5B for real voices.", path)
+    return path

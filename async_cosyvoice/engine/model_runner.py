@@ -1,0 +1,221 @@
+"""Runs the LM for the native engine: the slot KV cache, per-slot sampling state, prefill and decode
+forwards with on-device RAS, and CUDA graphs for decode.
+
+Why slots and not pages: a CosyVoice2 request's length is bounded and known up front (prompt +
+at most 20x the target text, capped by max_model_len), every request samples its own stream
+until it ends, and nothing is shared between requests (no prefix caching: the prompt speech
+tokens differ per speaker). A paged cache earns its complexity from sharing and from packing
+sequences of unknown length; here it would buy little beyond memory packing and would need a
+paged-attention kernel, while a slot cache lets a plain `scaled_dot_product_attention` read each
+row's cache with one gather, keeps every decode shape static (graph-capturable), and makes
+admission and abort O(1): a slot is taken when a prompt starts and handed back when it ends.
+The price is that each slot reserves max_model_len positions; size max_num_seqs x max_model_len
+to the memory you have.
+
+Per-slot state lives on the device (last token, position, output count, RAS parameters and the
+repetition window), so a decode step needs only the slot ids and two uniforms per row from the
+host: the token embedding, forward, EOS/stop masking, RAS and the state update all happen on the
+device, inside one CUDA graph per (batch bucket, attention-length bucket). The last slot is a
+scratch slot that padding rows of a graph bucket read and write.
+
+Reproducible seeds: RAS draws use two float64 uniforms per row per step, taken from the request's
+own torch.Generator when it has a seed, so its draws do not depend on the other rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..models.llm import CosyVoice2LM
+from ..sampling import ras_sample_batch, suppress_batch
+from .scheduler import PrefillChunk, StepPlan
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    cuda_graphs: bool = True
+    history_len: int = 32  # longest RAS window a request may ask for
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    min_graph_kv_len: int = 256  # attention-length buckets: powers of two from here to max_model_len
+
+
+class ModelRunner:
+    def __init__(self, model: CosyVoice2LM, config: RunnerConfig, seed: int | None = None):
+        self.cfg = config
+        self.device = torch.device(config.device)
+        self.model = model.to(device=self.device, dtype=config.dtype).eval()
+        n = config.max_num_seqs + 1  # + scratch
+        self.scratch = config.max_num_seqs
+        self.cache = self.model.new_cache(config.max_num_seqs, config.max_model_len, config.dtype, self.device)
+
+        def zeros(dtype, *shape):
+            return torch.zeros(n, *shape, dtype=dtype, device=self.device)
+        self.last_token = zeros(torch.long)
+        self.position = zeros(torch.long)  # where last_token is fed next
+        self.num_out = zeros(torch.long)
+        self.min_tokens = zeros(torch.long)
+        self.ignore_stop = zeros(torch.bool)
+        self.top_p, self.tau_r = zeros(torch.float64), zeros(torch.float64)
+        self.top_k, self.win_size = zeros(torch.long), zeros(torch.long)
+        self.history = zeros(torch.long, config.history_len) - 1
+
+        self.generator = torch.Generator()  # draws for requests without a seed
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graph_slots = torch.full((max(self._batch_buckets()),), self.scratch, dtype=torch.long,
+                                       device=self.device)
+        self._graph_uniforms = torch.zeros(len(self._graph_slots), 2, dtype=torch.float64, device=self.device)
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.cfg.cuda_graphs and self.device.type == "cuda"
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        """Run one planned step; returns (sequence, sampled id) for every decode row and every
+        prefill row that completed its prompt. Called from the engine's single step thread."""
+        out: list[tuple[Sequence, int]] = []
+        if plan.decode:
+            tokens = self._decode(plan.decode, plan.decode_kv_len)
+            out += zip(plan.decode, tokens)
+        if plan.prefill:
+            done = [c.seq for c in plan.prefill if c.is_last]
+            tokens = self._prefill(plan.prefill)
+            out += zip(done, tokens)
+        return out
+
+    def _uniforms(self, seqs: list[Sequence]) -> Tensor:
+        u = torch.rand(len(seqs), 2, dtype=torch.float64, generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                u[i] = torch.rand(2, dtype=torch.float64, generator=seq.generator)
+        return u.to(self.device, non_blocking=True)
+
+    def _decode(self, seqs: list[Sequence], kv_len: int) -> list[int]:
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
+        uniforms = self._uniforms(seqs)
+        if self.use_graphs:
+            key = (self._bucket(len(seqs), self._batch_buckets()), self._bucket(kv_len, self._kv_buckets()))
+            graph, tokens = self.graphs.get(key) or self._capture(*key)
+            self._graph_slots.fill_(self.scratch)
+            self._graph_slots[:len(seqs)].copy_(slots, non_blocking=True)
+            self._graph_uniforms[:len(seqs)].copy_(uniforms)
+            graph.replay()
+            return tokens[:len(seqs)].tolist()
+        return self._decode_rows(slots.to(self.device), uniforms, kv_len).tolist()
+
+    def _decode_rows(self, slots: Tensor, uniforms: Tensor, kv_len: int) -> Tensor:
+        """Static-shape decode: feed each slot's last token, sample the next. Graph-capturable."""
+        pos = torch.where(slots == self.scratch, -1, self.position[slots])
+        x = self.model.embed_speech(self.last_token[slots])[:, None]
+        hidden = self.model.backbone(x, pos[:, None], self.cache, slots, kv_len)[:, 0]
+        self.position[slots] += 1
+        return self._sample(hidden, slots, uniforms)
+
+    def _sample(self, hidden: Tensor, slots: Tensor, uniforms: Tensor) -> Tensor:
+        logp = self.model.logits(hidden).float().log_softmax(-1)  # upstream samples from log-probs
+        suppress_batch(logp, self.num_out[slots], self.min_tokens[slots], self.ignore_stop[slots])
+        tokens = ras_sample_batch(logp, self.history[slots], self.top_p[slots], self.top_k[slots],
+                                  self.win_size[slots], self.tau_r[slots], uniforms=uniforms)
+        self.history[slots] = torch.cat([self.history[slots][:, 1:], tokens[:, None]], dim=1)
+        self.last_token[slots] = tokens
+        self.num_out[slots] += 1
+        return tokens
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
+        """Padded prefill of prompt chunks; samples the first token of prompts that complete."""
+        self._init_slots([c.seq for c in chunks if c.start == 0])
+        width = max(c.end - c.start for c in chunks)
+        x = torch.zeros(len(chunks), width, self.model.dims.qwen.hidden_size, dtype=self.cfg.dtype,
+                        device=self.device)
+        positions = torch.full((len(chunks), width), -1, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            x[i, :c.end - c.start] = self._prompt_embeds(c.seq)[c.start:c.end]
+            positions[i, :c.end - c.start] = torch.arange(c.start, c.end)
+        slots = torch.tensor([c.seq.slot for c in chunks], dtype=torch.long, device=self.device)
+        kv_len = max(c.end for c in chunks)
+        hidden = self.model.backbone(x, positions.to(self.device), self.cache, slots, kv_len)
+        last = [i for i, c in enumerate(chunks) if c.is_last]
+        if not last:
+            return []
+        rows = torch.tensor(last, device=self.device)
+        ends = torch.tensor([chunks[i].end - chunks[i].start - 1 for i in last], device=self.device)
+        tokens = self._sample(hidden[rows, ends], slots[rows], self._uniforms([chunks[i].seq for i in last]))
+        for i in last:
+            chunks[i].seq.prompt_embeds = None  # no longer needed
+        return tokens.tolist()
+
+    def _prompt_embeds(self, seq: Sequence) -> Tensor:
+        if seq.prompt_embeds is None:
+            seq.prompt_embeds = self.model.embed_prompt(seq.request.text_tokens, seq.request.prompt_speech_tokens)
+        return seq.prompt_embeds
+
+    def _init_slots(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+
+        def put(state: Tensor, values: list, dtype: torch.dtype) -> None:
+            state[slots] = torch.tensor(values, dtype=dtype).to(self.device)
+        reqs = [s.request for s in seqs]
+        put(self.position, [s.prompt_len for s in seqs], torch.long)
+        put(self.num_out, [0] * len(seqs), torch.long)
+        put(self.min_tokens, [r.min_tokens for r in reqs], torch.long)
+        put(self.ignore_stop, [r.ignore_stop_tokens for r in reqs], torch.bool)
+        put(self.top_p, [r.ras.top_p for r in reqs], torch.float64)
+        put(self.top_k, [r.ras.top_k for r in reqs], torch.long)
+        put(self.win_size, [r.ras.win_size for r in reqs], torch.long)
+        put(self.tau_r, [r.ras.tau_r for r in reqs], torch.float64)
+        self.history[slots] = -1
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _batch_buckets(self) -> list[int]:
+        sizes = [b for b in self.cfg.graph_batch_sizes if b < self.cfg.max_num_seqs]
+        return sizes + [self.cfg.max_num_seqs]
+
+    def _kv_buckets(self) -> list[int]:
+        sizes, n = [], self.cfg.min_graph_kv_len
+        while n < self.cfg.max_model_len:
+            sizes.append(n)
+            n *= 2
+        return sizes + [self.cfg.max_model_len]
+
+    @staticmethod
+    def _bucket(n: int, buckets: list[int]) -> int:
+        return next(b for b in buckets if b >= n)
+
+    def capture_graphs(self) -> None:
+        """Capture every (batch, attention length) decode bucket, largest first so that the
+        shared memory pool is sized once. Without this, buckets are captured on first use."""
+        if not self.use_graphs:
+            return
+        for kv_len in reversed(self._kv_buckets()):
+            for batch in reversed(self._batch_buckets()):
+                self._capture(batch, kv_len)
+
+    @torch.inference_mode()
+    def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        slots, uniforms = self._graph_slots[:batch], self._graph_uniforms[:batch]
+        slots.fill_(self.scratch)
+        self._decode_rows(slots, uniforms, kv_len)  # warm-up: kernels chosen, lazy buffers made
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
+        with torch.cuda.graph(graph, pool=pool):
+            tokens = self._decode_rows(slots, uniforms, kv_len)
+        torch.cuda.synchronize(self.device)
+        self.graphs[(batch, kv_len)] = (graph, tokens)
+        return graph, tokens

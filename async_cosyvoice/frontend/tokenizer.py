@@ -1,0 +1,172 @@
+"""CosyVoice2 text tokenizer: the Qwen2 byte-level BPE of `CosyVoice-BlankEN` plus 17 special tokens.
+
+Built directly with the `tokenizers` library, the same pipeline transformers' Qwen2 tokenizer builds
+(NFC, Qwen2 pre-tokenize regex, byte-level BPE, no BOS/EOS). The base special tokens come from
+`tokenizer_config.json` (`added_tokens_decoder`) at their stated ids; then `<|endoftext|>` (eos/pad) and
+the CosyVoice2 list are added in upstream order, so new ones get consecutive ids after the base vocab
+(facts sheet §2.3: `<|endofprompt|>` = 151646 ... `[mn]` = 151662 for the official BlankEN).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+EOS_TOKEN = "<|endoftext|>"  # eos and pad
+COSYVOICE2_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|im_start|>", "<|im_end|>", "<|endofprompt|>",
+    "[breath]", "<strong>", "</strong>", "[noise]",
+    "[laughter]", "[cough]", "[clucking]", "[accent]",
+    "[quick_breath]", "<laughter>", "</laughter>",
+    "[hissing]", "[sigh]", "[vocalized-noise]",
+    "[lipsmack]", "[mn]",
+)
+ENDOFPROMPT = "<|endofprompt|>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory is missing a file or holds an unusable one."""
+
+    def __init__(self, file: str, message: str):
+        self.file = file
+        self.message = message
+        super().__init__(f"{file}: {message}")
+
+
+def qwen2_pipeline(model: BPE) -> Tokenizer:
+    """A `Tokenizer` with Qwen2's normalizer / pre-tokenizer / decoder around `model`."""
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise TokenizerError(path.name, f"missing (expected {what} at {path})")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(path.name, f"not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(path.name, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_merges(path: Path) -> list[tuple[str, str]]:
+    if not path.is_file():
+        raise TokenizerError(path.name, f"missing (expected BPE merges at {path})")
+    merges = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line or (n == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise TokenizerError(path.name, f"line {n} is not a 'left right' merge: {line!r}")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _base_tokenizer(d: Path) -> Tokenizer:
+    if (d / "tokenizer.json").is_file():  # what transformers would prefer, if present
+        try:
+            return Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+            raise TokenizerError("tokenizer.json", f"cannot be loaded ({e})") from e
+    vocab = _read_json(d / "vocab.json", "the BPE vocabulary")
+    merges = _read_merges(d / "merges.txt")
+    try:
+        model = BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None,
+                    continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                    byte_fallback=False)
+    except Exception as e:  # noqa: BLE001
+        raise TokenizerError("vocab.json", f"not a valid BPE together with merges.txt ({e})") from e
+    return qwen2_pipeline(model)
+
+
+def _add_special(tok: Tokenizer, content: str, flags: dict | None = None, expect_id: int | None = None,
+                 source: str = "") -> None:
+    flags = flags or {}
+    tok.add_special_tokens([AddedToken(
+        content, special=True, normalized=bool(flags.get("normalized", False)),
+        lstrip=bool(flags.get("lstrip", False)), rstrip=bool(flags.get("rstrip", False)),
+        single_word=bool(flags.get("single_word", False)))])
+    got = tok.token_to_id(content)
+    if expect_id is not None and got != expect_id:
+        raise TokenizerError(source, f"special token {content!r} is declared with id {expect_id} but lands "
+                                     f"at id {got} (vocab.json has {tok.get_vocab_size(False)} entries)")
+
+
+@functools.lru_cache(maxsize=8)
+def _load(dir_str: str) -> Tokenizer:
+    d = Path(dir_str)
+    if not d.is_dir():
+        raise TokenizerError(d.name, f"missing (expected the CosyVoice-BlankEN tokenizer directory at {d})")
+    tok = _base_tokenizer(d)
+    cfg = _read_json(d / "tokenizer_config.json", "the tokenizer config") \
+        if (d / "tokenizer_config.json").is_file() else {}
+    declared = cfg.get("added_tokens_decoder", {}) or {}
+    try:
+        entries = sorted((int(i), v) for i, v in declared.items())
+    except (TypeError, ValueError) as e:
+        raise TokenizerError("tokenizer_config.json", f"bad added_tokens_decoder ({e})") from e
+    for i, spec in entries:
+        if not isinstance(spec, dict) or "content" not in spec:
+            raise TokenizerError("tokenizer_config.json", f"added_tokens_decoder[{i}] has no 'content'")
+        _add_special(tok, spec["content"], spec, expect_id=i, source="tokenizer_config.json")
+    for content in (EOS_TOKEN, *COSYVOICE2_SPECIAL_TOKENS):
+        _add_special(tok, content)
+    return tok
+
+
+class TextTokenizer:
+    """Text -> Qwen2 token ids exactly as upstream `CosyVoice2Tokenizer` (no BOS/EOS added)."""
+
+    def __init__(self, tokenizer: Tokenizer, source: Path | None = None):
+        self._tok = tokenizer
+        self.source = source
+
+    @classmethod
+    def from_dir(cls, blank_en_dir: str | Path) -> "TextTokenizer":
+        """Load from a `CosyVoice-BlankEN` directory (vocab.json + merges.txt + tokenizer_config.json,
+        or tokenizer.json). The underlying tokenizer is cached per directory."""
+        d = Path(blank_en_dir).resolve()
+        return cls(_load(str(d)), d)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise KeyError(f"token {token!r} is not in the tokenizer ({self.source})")
+        return i
+
+    @property
+    def eos_id(self) -> int:
+        return self.token_id(EOS_TOKEN)
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        """`<|endoftext|>` and the CosyVoice2 special tokens with their ids, in upstream order."""
+        return {t: self.token_id(t) for t in (EOS_TOKEN, *COSYVOICE2_SPECIAL_TOKENS)}
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer(len={len(self)}, source={self.source})"

@@ -1,0 +1,181 @@
+"""UpsampleConformerEncoder: speech-token embeddings (25 Hz) -> 50 Hz hidden states.
+
+embed -> pre-lookahead conv -> conformer layers -> ×2 causal upsample -> up_embed -> up-layers.
+Attention uses espnet-style relative positions (pos_bias_u/v); the position encoding only enters
+the attention scores and is never added to x.
+
+Batched: item b renders `lengths[b]` tokens; the `context_lengths[b]` tokens right after them are
+look-ahead context for the pre-lookahead conv only. Everything past an item's tokens is masked out
+or only reachable through right-looking paths that end before it, so padding never changes an item.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..dims import EncoderDims
+from .masks import attention_mask, length_mask
+
+
+def rel_position_encoding(size: int, d_model: int, device, dtype) -> Tensor:
+    """(1, 2·size−1, d_model): sin/cos (interleaved) of relative positions size−1, …, −(size−1)."""
+    rel = torch.arange(size - 1, -size, -1, device=device).unsqueeze(1)
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, device=device) * -(math.log(10000.0) / d_model))
+    angle = rel * inv_freq
+    return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1).unsqueeze(0).to(dtype)
+
+
+class LinearEmbed(nn.Module):
+    """Linear + LayerNorm, scaled by √d (espnet rel-pos input layer without the dropout)."""
+
+    def __init__(self, idim: int, odim: int):
+        super().__init__()
+        self.out = nn.Sequential(nn.Linear(idim, odim), nn.LayerNorm(odim, eps=1e-5))
+        self.xscale = math.sqrt(odim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(x) * self.xscale
+
+
+class PreLookaheadLayer(nn.Module):
+    """Each frame sees itself and the next `lookahead` frames, then a causal k3 conv; residual."""
+
+    def __init__(self, channels: int, lookahead: int):
+        super().__init__()
+        self.lookahead = lookahead
+        self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
+        self.conv2 = nn.Conv1d(channels, channels, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (B, T + lookahead, C), the last `lookahead` frames being right context -> (B, T, C)."""
+        h = F.leaky_relu(self.conv1(x.transpose(1, 2)))
+        h = self.conv2(F.pad(h, (self.conv2.kernel_size[0] - 1, 0)))
+        return h.transpose(1, 2) + x[:, : h.size(2)]
+
+
+class RelPositionAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads, self.d_k = heads, d_model // heads
+        self.linear_q = nn.Linear(d_model, d_model)
+        self.linear_k = nn.Linear(d_model, d_model)
+        self.linear_v = nn.Linear(d_model, d_model)
+        self.linear_out = nn.Linear(d_model, d_model)
+        self.linear_pos = nn.Linear(d_model, d_model, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.d_k))
+
+    def forward(self, x: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        """x (B, T, D), pos (1, 2T−1, D) from rel_position_encoding, mask (B, T, T) bool."""
+        B, T, D = x.shape
+        q = self.linear_q(x).view(B, T, self.heads, self.d_k)
+        k = self.linear_k(x).view(B, T, self.heads, self.d_k).transpose(1, 2)
+        v = self.linear_v(x).view(B, T, self.heads, self.d_k).transpose(1, 2)
+        p = self.linear_pos(pos).view(1, -1, self.heads, self.d_k).transpose(1, 2)
+
+        # scores = ((q + u)·k + (q + v)·p[i − j]) / √d_k; column c of p holds position T−1−c
+        pos_scores = (q + self.pos_bias_v).transpose(1, 2) @ p.transpose(-2, -1)
+        i = torch.arange(T, device=x.device)
+        col = (T - 1 - i.unsqueeze(1) + i.unsqueeze(0)).expand(B, self.heads, T, T)
+        bias = pos_scores.gather(-1, col) / math.sqrt(self.d_k)
+        bias = bias.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        out = F.scaled_dot_product_attention((q + self.pos_bias_u).transpose(1, 2), k, v, attn_mask=bias)
+        return self.linear_out(out.transpose(1, 2).reshape(B, T, D))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w_1 = nn.Linear(d_model, hidden)
+        self.w_2 = nn.Linear(hidden, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(F.silu(self.w_1(x)))
+
+
+class ConformerLayer(nn.Module):
+    """Pre-norm self-attention + FFN (no macaron, no conv module)."""
+
+    def __init__(self, d_model: int, heads: int, linear_units: int):
+        super().__init__()
+        self.self_attn = RelPositionAttention(d_model, heads)
+        self.feed_forward = FeedForward(d_model, linear_units)
+        self.norm_mha = nn.LayerNorm(d_model, eps=1e-12)
+        self.norm_ff = nn.LayerNorm(d_model, eps=1e-12)
+
+    def forward(self, x: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.norm_mha(x), pos, mask)
+        return x + self.feed_forward(self.norm_ff(x))
+
+
+class Upsample1D(nn.Module):
+    """Nearest ×stride, then a causal conv (left pad 2·stride, kernel 2·stride+1)."""
+
+    def __init__(self, channels: int, stride: int):
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv1d(channels, channels, 2 * stride + 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, C, T) -> (B, C, stride·T)."""
+        x = x.repeat_interleave(self.stride, dim=2)
+        return self.conv(F.pad(x, (2 * self.stride, 0)))
+
+
+class UpsampleConformerEncoder(nn.Module):
+    def __init__(self, dims: EncoderDims):
+        super().__init__()
+        self.dims = dims
+        d = dims.output_size
+
+        def layers(n: int) -> nn.ModuleList:
+            return nn.ModuleList(ConformerLayer(d, dims.attention_heads, dims.linear_units) for _ in range(n))
+
+        self.embed = LinearEmbed(dims.input_size, d)
+        self.pre_lookahead_layer = PreLookaheadLayer(d, dims.pre_lookahead_len)
+        self.encoders = layers(dims.num_blocks)
+        self.up_layer = Upsample1D(d, dims.upsample_stride)
+        self.up_embed = LinearEmbed(dims.input_size, d)
+        self.up_encoders = layers(dims.num_up_blocks)
+        self.after_norm = nn.LayerNorm(d, eps=1e-5)
+
+    def forward(
+        self,
+        xs: Tensor,
+        lengths: Tensor,
+        context_lengths: Tensor | None = None,
+        streaming: bool | Tensor = False,
+    ) -> tuple[Tensor, Tensor]:
+        """xs (B, S, input_size) token embeddings; lengths (B,) tokens to render; context_lengths (B,)
+        look-ahead tokens right after them (0 = final call: zeros instead). streaming: bool or (B,)
+        bool, chunk masks of static_chunk_size tokens / ×stride frames from position 0.
+
+        Returns (B, stride·T, output_size) with T = max(lengths), zero past each item, and stride·lengths.
+        """
+        dims = self.dims
+        T = int(lengths.max())
+        seen = lengths if context_lengths is None else lengths + context_lengths
+
+        # Frames past an item's tokens (+ context) must be exact zeros: that is the final call's
+        # right padding of the lookahead conv.
+        x = self.embed(xs) * length_mask(seen, xs.size(1)).unsqueeze(-1).to(xs.dtype)
+        x = F.pad(x, (0, 0, 0, max(0, T + dims.pre_lookahead_len - x.size(1))))
+        x = self.pre_lookahead_layer(x[:, : T + dims.pre_lookahead_len])
+        x = self._layers(self.encoders, x, lengths, dims.static_chunk_size, streaming)
+
+        x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)
+        lengths = lengths * dims.upsample_stride
+        x = self.up_embed(x)
+        x = self._layers(self.up_encoders, x, lengths, dims.static_chunk_size * dims.upsample_stride, streaming)
+        x = self.after_norm(x)
+        return x * length_mask(lengths, x.size(1)).unsqueeze(-1).to(x.dtype), lengths
+
+    def _layers(self, layers: nn.ModuleList, x: Tensor, lengths: Tensor, chunk: int, streaming) -> Tensor:
+        pos = rel_position_encoding(x.size(1), x.size(2), x.device, x.dtype)
+        mask = attention_mask(length_mask(lengths, x.size(1)), chunk, streaming)
+        for layer in layers:
+            x = layer(x, pos, mask)
+        return x

@@ -1,0 +1,108 @@
+"""Flow (CausalMaskedDiffWithXvec): speech tokens + prompt mel + x-vector -> mel frames.
+
+Parameter names are those of the official flow.pt, so `load_state_dict(strict=True)` takes it as is.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..dims import FlowDims
+from .cfm import CausalConditionalCFM, Estimator
+from .encoder import UpsampleConformerEncoder
+from .masks import length_mask
+
+
+class Flow(nn.Module):
+    def __init__(self, dims: FlowDims):
+        super().__init__()
+        self.dims = dims
+        self.input_embedding = nn.Embedding(dims.vocab_size, dims.input_size)
+        self.spk_embed_affine_layer = nn.Linear(dims.spk_embed_dim, dims.output_size)
+        self.encoder = UpsampleConformerEncoder(dims.encoder)
+        self.encoder_proj = nn.Linear(dims.encoder.output_size, dims.output_size)
+        self.decoder = CausalConditionalCFM(dims.estimator, dims.cfm)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        token_lens: Tensor,
+        context_lens: Tensor,
+        prompt_feat: Tensor,
+        prompt_feat_lens: Tensor,
+        embedding: Tensor,
+        streaming: bool | Tensor = False,
+        estimator: Estimator | None = None,
+        trace: dict | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Batched flow over whole sequences (prompt + target), right-padded.
+
+        tokens (B, S): item b renders its first token_lens[b] tokens; the context_lens[b] after them
+        are look-ahead only (0 = final call). prompt_feat (B, F, 80) with prompt_feat_lens[b] valid
+        frames becomes the cond of the first frames. embedding (B, 192). streaming: bool or (B,) bool.
+
+        Returns mel (B, 80, T) float32 including the prompt frames, and the per-item frame counts
+        token_mel_ratio · token_lens.
+        """
+        dtype, device = self.input_embedding.weight.dtype, self.input_embedding.weight.device
+        tokens, token_lens, context_lens = tokens.to(device), token_lens.to(device), context_lens.to(device)
+        if isinstance(streaming, Tensor):
+            streaming = streaming.to(device)
+
+        spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device).float(), dim=1).to(dtype))
+        seen = length_mask(token_lens + context_lens, tokens.size(1)).unsqueeze(-1)
+        x = self.input_embedding(tokens.clamp(min=0).long()) * seen.to(dtype)
+        h, mel_lens = self.encoder(x, token_lens, context_lens, streaming)
+        mu = self.encoder_proj(h).transpose(1, 2)
+
+        B, C, T = mu.shape
+        mask = length_mask(mel_lens, T).unsqueeze(1).to(dtype)
+        prompt = prompt_feat.to(device=device, dtype=dtype)[:, :T]
+        prompt = prompt * length_mask(prompt_feat_lens.to(device), prompt.size(1)).unsqueeze(-1).to(dtype)
+        cond = F.pad(prompt.transpose(1, 2), (0, T - prompt.size(1)))
+        if trace is not None:
+            trace.update(encoder_out=h, mu=mu, spks=spks, cond=cond, mask=mask)
+
+        mel = self.decoder(mu, mask, spks, cond, streaming, estimator=estimator, trace=trace)
+        return mel, mel_lens
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        token: Tensor,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        streaming: bool,
+        finalize: bool,
+        trace: dict | None = None,
+    ) -> Tensor:
+        """One request, upstream semantics. token (1, N), prompt_token (1, P), prompt_feat (1, 2P, 80),
+        embedding (1, 192) -> mel (1, 80, T_new) float32 for the target tokens only.
+
+        A non-final call keeps the last pre_lookahead_len tokens as look-ahead context and renders
+        the ones before them; a final call renders all tokens (zero look-ahead).
+        """
+        P = prompt_token.size(1)
+        if prompt_feat.size(1) != self.dims.token_mel_ratio * P:
+            raise ValueError(
+                f"prompt_feat has {prompt_feat.size(1)} frames for {P} prompt tokens; the frontend must trim "
+                f"both to {self.dims.token_mel_ratio} frames per token"
+            )
+        tokens = torch.cat([prompt_token.to(token.device), token], dim=1)
+        n_context = 0 if finalize else self.dims.pre_lookahead_len
+        mel, _ = self.forward(
+            tokens,
+            torch.tensor([tokens.size(1) - n_context]),
+            torch.tensor([n_context]),
+            prompt_feat,
+            torch.tensor([prompt_feat.size(1)]),
+            embedding,
+            streaming,
+            trace=trace,
+        )
+        mel = mel[:, :, prompt_feat.size(1):]
+        if trace is not None:
+            trace["mel"] = mel
+        return mel

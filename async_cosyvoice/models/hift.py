@@ -1,0 +1,334 @@
+"""HiFT vocoder: mel (50 Hz) -> 24 kHz waveform, weight-compatible with the official `hift.pt`.
+
+Parameter names are the `hift.pt` keys with the optional `generator.` prefix stripped and the
+weight norm folded into a plain `weight` (W = g * v / ||v||, norm over every dim but 0), so a
+folded state dict loads with `strict=True`. Pipeline (facts sheet §4.2, §10 item 14):
+
+    mel -> F0 (ConvRNNF0Predictor, Hz) -> nearest x480 -> NSF source (SineGen2 harmonics, tanh)
+        -> [cache_source overwrites the head] -> STFT (n_fft 16, hop 4) = 18 channels
+    mel -> conv_pre -> 3 x (leaky_relu 0.1, transposed conv, [reflection pad after the last],
+                            + source branch, mean of 3 Snake resblocks)
+        -> leaky_relu 0.01 -> conv_post -> exp(mag) <= 100, sin(phase) -> iSTFT -> clamp
+
+The NSF source is numerically fragile (the phase reaches 1e3-1e4 rad in float32), so SineGen2
+keeps upstream's operation order exactly. Its random draws (initial harmonic phases and additive
+noise) are controlled by `NSFNoise`.
+
+Batches are exact when every item has the same number of mel frames; items padded to a common
+length differ from their unpadded run near the padded end (convolutions and interpolation see
+the padding).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .dims import HiFTDims
+
+
+# --------------------------------------------------------------------------- noise control
+
+
+@dataclass(frozen=True)
+class NSFNoise:
+    """Where SineGen2's random draws come from.
+
+    Upstream draws, per call and in this order: `rand(B, 9)` initial phases (harmonic 0 then
+    set to 0), `randn(B, L, 9)` additive sine noise, and `randn(B, L, 1)` (computed by the source
+    module but unused). `kind`:
+
+    - "random": from `generator` (None: torch's default generator for the draw device). The
+      unused third draw is made too, so a generator seeded like upstream's global RNG yields
+      upstream's numbers call after call.
+    - "zero": every draw is zero (deterministic; what the zero-noise goldens use).
+    - "given": `rand_ini` (B, 9) raw uniform draws (element 0 of each row is ignored) and
+      `sine_noise` (B, L, 9) standard normal draws are injected.
+    """
+    kind: str = "random"
+    generator: torch.Generator | None = None
+    rand_ini: Tensor | None = None
+    sine_noise: Tensor | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("random", "zero", "given"):
+            raise ValueError(f"NSFNoise.kind must be 'random', 'zero' or 'given', got {self.kind!r}")
+        if self.kind == "given" and (self.rand_ini is None or self.sine_noise is None):
+            raise ValueError("NSFNoise(kind='given') needs both rand_ini and sine_noise")
+
+    @classmethod
+    def zero(cls) -> "NSFNoise":
+        return cls(kind="zero")
+
+    @classmethod
+    def given(cls, rand_ini: Tensor, sine_noise: Tensor) -> "NSFNoise":
+        return cls(kind="given", rand_ini=rand_ini, sine_noise=sine_noise)
+
+    @classmethod
+    def random(cls, generator: torch.Generator | None = None) -> "NSFNoise":
+        return cls(kind="random", generator=generator)
+
+    def draw(self, batch: int, length: int, dim: int, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """(rand_ini (batch, dim) with column 0 zeroed, sine_noise (batch, length, dim)), float32
+        on `device`; (None, None) for kind "zero"."""
+        if self.kind == "zero":
+            return None, None
+        if self.kind == "given":
+            rand_ini, noise = self.rand_ini, self.sine_noise
+            if tuple(rand_ini.shape) != (batch, dim) or tuple(noise.shape) != (batch, length, dim):
+                raise ValueError(
+                    f"injected NSF draws have shapes {tuple(rand_ini.shape)} / {tuple(noise.shape)}, "
+                    f"expected ({batch}, {dim}) / ({batch}, {length}, {dim})")
+            rand_ini = rand_ini.to(device=device, dtype=torch.float32, copy=True)
+            noise = noise.to(device=device, dtype=torch.float32)
+        else:
+            g = self.generator
+            draw_device = g.device if g is not None else device
+            rand_ini = torch.rand(batch, dim, generator=g, device=draw_device)
+            # Upstream's randn_like runs on a (B, L, dim) view of a (B, dim, L) buffer; on CPU a
+            # non-contiguous fill takes a different kernel, so reproduce that layout exactly.
+            noise = torch.empty(batch, dim, length, device=draw_device).transpose(1, 2).normal_(generator=g)
+            torch.randn(batch, length, 1, generator=g, device=draw_device)  # upstream's unused draw
+            rand_ini, noise = rand_ini.to(device), noise.to(device)
+        rand_ini[:, 0] = 0.0
+        return rand_ini, noise
+
+
+NoiseSpec = NSFNoise | Sequence[NSFNoise] | None
+
+
+def _draw_noise(noise: NoiseSpec, batch: int, length: int, dim: int, device: torch.device):
+    """One NSFNoise for the whole batch, or one per row (each row drawn as a batch of one)."""
+    if noise is None:
+        noise = NSFNoise()
+    if isinstance(noise, NSFNoise):
+        return noise.draw(batch, length, dim, device)
+    if len(noise) != batch:
+        raise ValueError(f"got {len(noise)} NSFNoise entries for a batch of {batch}")
+    rows = [n.draw(1, length, dim, device) for n in noise]
+    if all(r[0] is None for r in rows):
+        return None, None
+    ini = torch.cat([r[0] if r[0] is not None else torch.zeros(1, dim, device=device) for r in rows])
+    nz = torch.cat([r[1] if r[1] is not None else torch.zeros(1, length, dim, device=device) for r in rows])
+    return ini, nz
+
+
+# --------------------------------------------------------------------------- F0 and source
+
+
+class ConvRNNF0Predictor(nn.Module):
+    """5 x (Conv1d k3 + ELU) then Linear -> |f0| in Hz at the mel rate: (B, 80, T) -> (B, T)."""
+
+    def __init__(self, num_class: int = 1, in_channels: int = 80, cond_channels: int = 512):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    def forward(self, mel: Tensor) -> Tensor:
+        h = self.condnet(mel).transpose(1, 2)
+        return torch.abs(self.classifier(h).squeeze(-1))
+
+
+class SineGen2(nn.Module):
+    """Harmonic sine source at the sample rate from an upsampled f0 (B, L, 1) (non-causal)."""
+
+    def __init__(self, sampling_rate: int, upsample_scale: int, harmonic_num: int,
+                 sine_amp: float, noise_std: float, voiced_threshold: float):
+        super().__init__()
+        self.sampling_rate = sampling_rate
+        self.upsample_scale = upsample_scale
+        self.dim = harmonic_num + 1
+        self.sine_amp = sine_amp
+        self.noise_std = noise_std
+        self.voiced_threshold = voiced_threshold
+
+    def _phase_sines(self, f0_harm: Tensor, rand_ini: Tensor | None) -> Tensor:
+        # Per-sample phase increment in cycles, then upstream's order: linear down to the frame
+        # rate, cumulative sum, x2 x pi, x480, linear back up to the sample rate, sin.
+        rad = (f0_harm / self.sampling_rate) % 1
+        if rand_ini is not None:
+            rad[:, 0, :] = rad[:, 0, :] + rand_ini
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        phase = F.interpolate(phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale,
+                              mode="linear").transpose(1, 2)
+        return torch.sin(phase)
+
+    def forward(self, f0: Tensor, noise: NoiseSpec = None) -> tuple[Tensor, Tensor]:
+        """f0 (B, L, 1) Hz -> (sine waves (B, L, harmonics+1), uv (B, L, 1))."""
+        batch, length, _ = f0.shape
+        rand_ini, sine_noise = _draw_noise(noise, batch, length, self.dim, f0.device)
+        harmonics = torch.arange(1, self.dim + 1, dtype=torch.float32, device=f0.device).view(1, 1, -1)
+        sines = self._phase_sines(f0 * harmonics, rand_ini) * self.sine_amp
+        uv = (f0 > self.voiced_threshold).to(torch.float32)
+        if sine_noise is None:
+            return sines * uv, uv
+        noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+        return sines * uv + noise_amp * sine_noise, uv
+
+
+class SourceModuleHnNSF(nn.Module):
+    """Harmonic-plus-noise source: tanh(Linear(9 -> 1)(SineGen2(f0)))."""
+
+    def __init__(self, sampling_rate: int, upsample_scale: int, harmonic_num: int,
+                 sine_amp: float, noise_std: float, voiced_threshold: float):
+        super().__init__()
+        self.l_sin_gen = SineGen2(sampling_rate, upsample_scale, harmonic_num, sine_amp, noise_std, voiced_threshold)
+        self.l_linear = nn.Linear(harmonic_num + 1, 1)
+
+    def forward(self, f0: Tensor, noise: NoiseSpec = None) -> Tensor:
+        """f0 (B, L, 1) -> source (B, L, 1)."""
+        sines, _ = self.l_sin_gen(f0, noise)
+        return torch.tanh(self.l_linear(sines))
+
+
+# --------------------------------------------------------------------------- generator blocks
+
+
+class Snake(nn.Module):
+    """x + sin^2(alpha x) / alpha, alpha per channel (linear scale)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        alpha = self.alpha.view(1, -1, 1)
+        return x + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+class ResBlock(nn.Module):
+    """For each dilation d: x += conv2(Snake(conv1_d(Snake(x)))), 'same' padding."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=(kernel_size * d - d) // 2)
+            for d in dilations)
+        self.convs2 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2) for _ in dilations)
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            x = c2(a2(c1(a1(x)))) + x
+        return x
+
+
+# --------------------------------------------------------------------------- HiFT
+
+
+class HiFT(nn.Module):
+    def __init__(self, dims: HiFTDims):
+        super().__init__()
+        self.dims = dims
+        self.upsample_scale = dims.samples_per_frame
+        self.n_fft = dims.istft_n_fft
+        self.hop = dims.istft_hop_len
+        self.num_kernels = len(dims.resblock_kernel_sizes)
+        base = dims.base_channels
+        n_stages = len(dims.upsample_rates)
+
+        self.f0_predictor = ConvRNNF0Predictor(dims.f0_num_class, dims.f0_in_channels, dims.f0_cond_channels)
+        self.m_source = SourceModuleHnNSF(dims.sampling_rate, self.upsample_scale, dims.nb_harmonics,
+                                          dims.nsf_alpha, dims.nsf_sigma, dims.nsf_voiced_threshold)
+        self.conv_pre = nn.Conv1d(dims.in_channels, base, 7, padding=3)
+        self.ups = nn.ModuleList(
+            nn.ConvTranspose1d(base // 2 ** i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2)
+            for i, (u, k) in enumerate(zip(dims.upsample_rates, dims.upsample_kernel_sizes)))
+
+        # The source STFT (hop 4) is brought to each stage's rate: stage i needs a downsampling
+        # by the product of the upsample rates still to come (15, 3, 1 for [8, 5, 3]).
+        stft_ch = self.n_fft + 2
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i in range(n_stages):
+            ch = base // 2 ** (i + 1)
+            u = math.prod(dims.upsample_rates[i + 1:])
+            if u == 1:
+                self.source_downs.append(nn.Conv1d(stft_ch, ch, 1, 1))
+            else:
+                self.source_downs.append(nn.Conv1d(stft_ch, ch, u * 2, u, padding=u // 2))
+            self.source_resblocks.append(ResBlock(ch, dims.source_resblock_kernel_sizes[i],
+                                                  dims.source_resblock_dilation_sizes[i]))
+
+        self.resblocks = nn.ModuleList(
+            ResBlock(base // 2 ** (i + 1), k, d)
+            for i in range(n_stages)
+            for k, d in zip(dims.resblock_kernel_sizes, dims.resblock_dilation_sizes))
+        self.conv_post = nn.Conv1d(base // 2 ** n_stages, stft_ch, 7, padding=3)
+        self.register_buffer("stft_window", self._hann(self.n_fft), persistent=False)
+
+    @staticmethod
+    def _hann(n: int) -> Tensor:
+        # periodic Hann computed in float64, stored as float32 (like a scipy window)
+        return torch.hann_window(n, periodic=True, dtype=torch.float64).to(torch.float32)
+
+    # -- pieces
+
+    def source(self, f0: Tensor, noise: NoiseSpec = None) -> Tensor:
+        """f0 (B, T) at the mel rate -> NSF source (B, 1, T * samples_per_frame)."""
+        f0_up = F.interpolate(f0[:, None], scale_factor=float(self.upsample_scale), mode="nearest")
+        return self.m_source(f0_up.transpose(1, 2), noise).transpose(1, 2)
+
+    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
+        """mel (B, 80, T) + source (B, 1, 480T) -> speech (B, 480T), clamped to +-audio_limit."""
+        spec = torch.stft(source.squeeze(1), self.n_fft, self.hop, self.n_fft, window=self.stft_window,
+                          return_complex=True)
+        spec = torch.view_as_real(spec)
+        s_stft = torch.cat([spec[..., 0], spec[..., 1]], dim=1)
+
+        x = self.conv_pre(mel)
+        last = len(self.ups) - 1
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, self.dims.lrelu_slope))
+            if i == last:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            xs = self.resblocks[i * self.num_kernels](x)
+            for j in range(1, self.num_kernels):
+                xs += self.resblocks[i * self.num_kernels + j](x)
+            x = xs / self.num_kernels
+        x = self.conv_post(F.leaky_relu(x))
+
+        bins = self.n_fft // 2 + 1
+        mag = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
+        phase = torch.sin(x[:, bins:, :])
+        spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
+        speech = torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self.stft_window)
+        return torch.clamp(speech, -self.dims.audio_limit, self.dims.audio_limit)
+
+    # -- entry point
+
+    @torch.no_grad()
+    def inference(self, mel: Tensor, cache_source: Tensor | Sequence[Tensor | None] | None = None,
+                  noise: NoiseSpec = None, trace: dict | None = None) -> tuple[Tensor, Tensor]:
+        """mel (B, 80, T) -> (speech (B, 480T), source (B, 1, 480T)).
+
+        cache_source: (B, 1, S) source samples that overwrite the head of the new source (keeps
+        the NSF phase continuous across streaming chunks), or one (1, 1, S_b) tensor / None per row.
+        noise: an NSFNoise for the batch, or one per row; None draws from torch's default RNG.
+        trace: if a dict, receives "f0" (B, T).
+        """
+        f0 = self.f0_predictor(mel)
+        source = self.source(f0, noise)
+        if isinstance(cache_source, Tensor):
+            if cache_source.shape[-1] > 0:
+                source[:, :, :cache_source.shape[-1]] = cache_source
+        elif cache_source is not None:
+            if len(cache_source) != mel.shape[0]:
+                raise ValueError(f"got {len(cache_source)} cache_source rows for a batch of {mel.shape[0]}")
+            for b, cache in enumerate(cache_source):
+                if cache is not None and cache.shape[-1] > 0:
+                    source[b, :, :cache.shape[-1]] = cache[0]
+        if trace is not None:
+            trace["f0"] = f0
+        return self.decode(mel, source), source

@@ -1,0 +1,524 @@
+"""SpeakerStore: registered voices, persisted as one safetensors file per speaker.
+
+On disk (folder `speakers.dir`, default `spk2info/`):
+
+    <sha256(speaker_id)>.safetensors   arrays + JSON metadata (speaker id, kind, prompt text, time)
+    .lock                              fcntl lock taken by every writer (threads and processes)
+
+A record is exactly one file, written to a temporary file in the same folder, fsynced and moved
+into place with `os.replace`, so a crash mid-write leaves the previous record or none, never a
+torn one. The speaker id is validated and only ever used through its hash, never as a path.
+Nothing is pickled; upstream `spk2info.pt` files are read with `torch.load(weights_only=True)`
+by `frontend.spk2info` and converted to records here.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Literal, Mapping, Sequence
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from .errors import InvalidRequest, SpeakerExists, SpeakerNotFound
+
+log = logging.getLogger(__name__)
+
+SpeakerKind = Literal["zero_shot", "sft"]
+KINDS: tuple[str, ...] = ("zero_shot", "sft")
+
+MAX_ID_LENGTH = 64
+_ID_CHARS = re.compile(r"[A-Za-z0-9_.\-]")
+_ID_RULE = f"1-{MAX_ID_LENGTH} characters from A-Z a-z 0-9 _ . -, not starting with '.'"
+
+FORMAT_NAME = "async_cosyvoice.speaker"
+FORMAT_VERSION = "1"
+SUFFIX = ".safetensors"
+_TMP_PREFIX = ".tmp-"
+_LOCK_NAME = ".lock"
+_WRITE_BLOCK = 1 << 20
+N_MELS = 80
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+def validate_speaker_id(speaker_id: object, what: str = "speaker_id") -> str:
+    """Return the id unchanged if valid, else raise InvalidRequest saying exactly what is wrong."""
+    if not isinstance(speaker_id, str):
+        raise InvalidRequest(f"{what} must be a string, got {type(speaker_id).__name__}")
+    if not speaker_id:
+        raise InvalidRequest(f"{what} is empty; use {_ID_RULE}")
+    if len(speaker_id) > MAX_ID_LENGTH:
+        raise InvalidRequest(
+            f"{what} is {len(speaker_id)} characters long; the limit is {MAX_ID_LENGTH}")
+    for ch in speaker_id:
+        if not _ID_CHARS.fullmatch(ch):
+            raise InvalidRequest(
+                f"{what} {speaker_id!r} contains {ch!r}; allowed are A-Z a-z 0-9 _ . - "
+                "(ids are names, not paths)")
+    if speaker_id.startswith("."):
+        raise InvalidRequest(f"{what} {speaker_id!r} must not start with '.'")
+    return speaker_id
+
+
+def speaker_file_name(speaker_id: str) -> str:
+    """The file holding a speaker: the hex sha256 of its UTF-8 id (the id itself never reaches a path)."""
+    return hashlib.sha256(speaker_id.encode("utf-8")).hexdigest() + SUFFIX
+
+
+@dataclass(frozen=True)
+class SpeakerInfo:
+    """What listing shows: the record without its arrays (read from the file header only)."""
+    speaker_id: str
+    kind: SpeakerKind
+    prompt_text: str
+    n_speech_tokens: int
+    created_at: float  # unix seconds
+
+
+@dataclass(frozen=True, eq=False)
+class SpeakerRecord:
+    """One registered voice.
+
+    zero_shot: everything the zero-shot and instruct2 modes need (upstream `add_zero_shot_spk`).
+    sft: the embedding only (upstream `spk2info` entries `{"embedding": ...}`); the prompt arrays
+    are empty. Arrays are coerced to the documented dtypes and made read-only.
+    """
+    speaker_id: str
+    kind: SpeakerKind
+    prompt_text: str
+    prompt_text_tokens: np.ndarray   # int32 [L]
+    speech_tokens: np.ndarray        # int32 [P]
+    speech_feat: np.ndarray          # float32 [2P, 80] (24 kHz mel)
+    embedding: np.ndarray            # float32 [192] (campplus)
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        validate_speaker_id(self.speaker_id)
+        if self.kind not in KINDS:
+            raise InvalidRequest(f"speaker kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.prompt_text, str):
+            raise InvalidRequest("prompt_text must be a string")
+        arrays = {
+            "prompt_text_tokens": (self.prompt_text_tokens, np.int32, 1),
+            "speech_tokens": (self.speech_tokens, np.int32, 1),
+            "speech_feat": (self.speech_feat, np.float32, 2),
+            "embedding": (self.embedding, np.float32, 1),
+        }
+        for name, (value, dtype, ndim) in arrays.items():
+            arr = np.asarray(value)
+            if arr.size == 0 and arr.ndim != ndim:
+                arr = arr.reshape((0,) * (ndim - 1) + ((0,) if ndim == 1 else (N_MELS,)))
+            if arr.ndim != ndim:
+                raise InvalidRequest(f"speaker {self.speaker_id!r}: {name} must have {ndim} "
+                                     f"dimension(s), got shape {arr.shape}")
+            if arr.dtype != dtype:
+                if np.issubdtype(dtype, np.integer) and not np.issubdtype(arr.dtype, np.integer):
+                    raise InvalidRequest(f"speaker {self.speaker_id!r}: {name} must be integer, "
+                                         f"got {arr.dtype}")
+                arr = arr.astype(dtype)
+            arr = np.array(arr, dtype=dtype, order="C", copy=True)
+            arr.flags.writeable = False
+            object.__setattr__(self, name, arr)
+        if self.embedding.size == 0:
+            raise InvalidRequest(f"speaker {self.speaker_id!r}: embedding is empty")
+        if not np.all(np.isfinite(self.embedding)):
+            raise InvalidRequest(f"speaker {self.speaker_id!r}: embedding has non-finite values")
+        if self.speech_feat.shape[1] != N_MELS:
+            raise InvalidRequest(f"speaker {self.speaker_id!r}: speech_feat must be [frames, {N_MELS}], "
+                                 f"got {self.speech_feat.shape}")
+        if self.kind == "zero_shot":
+            if self.speech_tokens.size == 0:
+                raise InvalidRequest(f"zero_shot speaker {self.speaker_id!r} has no speech tokens")
+            if self.speech_feat.shape[0] != 2 * self.speech_tokens.size:
+                raise InvalidRequest(
+                    f"zero_shot speaker {self.speaker_id!r}: speech_feat has {self.speech_feat.shape[0]} "
+                    f"frames, expected 2 x {self.speech_tokens.size} speech tokens")
+        elif self.speech_tokens.size or self.speech_feat.size or self.prompt_text_tokens.size:
+            raise InvalidRequest(f"sft speaker {self.speaker_id!r} must carry the embedding only")
+        object.__setattr__(self, "created_at", float(self.created_at))
+
+    @classmethod
+    def sft(cls, speaker_id: str, embedding: np.ndarray, created_at: float | None = None) -> "SpeakerRecord":
+        empty_i = np.zeros(0, np.int32)
+        return cls(speaker_id, "sft", "", empty_i, empty_i, np.zeros((0, N_MELS), np.float32),
+                   embedding, time.time() if created_at is None else created_at)
+
+    @property
+    def info(self) -> SpeakerInfo:
+        return SpeakerInfo(self.speaker_id, self.kind, self.prompt_text,
+                           int(self.speech_tokens.size), self.created_at)
+
+    def replace_id(self, speaker_id: str) -> "SpeakerRecord":
+        return SpeakerRecord(speaker_id, self.kind, self.prompt_text, self.prompt_text_tokens,
+                             self.speech_tokens, self.speech_feat, self.embedding, self.created_at)
+
+    def same_data(self, other: "SpeakerRecord") -> bool:
+        """Equal ids, kinds, texts and arrays (created_at is not compared)."""
+        return (self.speaker_id == other.speaker_id and self.kind == other.kind
+                and self.prompt_text == other.prompt_text
+                and all(np.array_equal(getattr(self, n), getattr(other, n))
+                        for n in ("prompt_text_tokens", "speech_tokens", "speech_feat", "embedding")))
+
+    # ---- serialization (safetensors bytes; metadata is string -> string) ----
+
+    def to_bytes(self) -> bytes:
+        metadata = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "speaker_id": self.speaker_id,
+            "kind": self.kind,
+            "prompt_text": self.prompt_text,
+            "n_speech_tokens": str(self.speech_tokens.size),
+            "created_at": repr(self.created_at),
+        }
+        return st_save({
+            "prompt_text_tokens": self.prompt_text_tokens,
+            "speech_tokens": self.speech_tokens,
+            "speech_feat": self.speech_feat,
+            "embedding": self.embedding,
+        }, metadata=metadata)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str = "<bytes>") -> "SpeakerRecord":
+        meta = _info_from_metadata(_read_header(data, source), source)
+        try:
+            arrays = st_load(data)
+        except SafetensorError as e:
+            raise ValueError(f"{source}: not a valid speaker file ({e})") from e
+        return cls(meta.speaker_id, meta.kind, meta.prompt_text, arrays["prompt_text_tokens"],
+                   arrays["speech_tokens"], arrays["speech_feat"], arrays["embedding"], meta.created_at)
+
+
+@dataclass(frozen=True)
+class SpeakerPage:
+    speakers: list[SpeakerInfo]
+    next_page_token: str  # "" on the last page
+
+
+def _read_header(data: bytes, source: str) -> dict:
+    if len(data) < 8:
+        raise ValueError(f"{source}: truncated speaker file")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError(f"{source}: truncated speaker file")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{source}: bad speaker file header ({e})") from e
+    return header.get("__metadata__") or {}
+
+
+def _info_from_metadata(meta: dict, source: str) -> SpeakerInfo:
+    if meta.get("format") != FORMAT_NAME:
+        raise ValueError(f"{source}: not an {FORMAT_NAME} file")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{source}: unsupported speaker file version {meta.get('version')!r}")
+    try:
+        return SpeakerInfo(meta["speaker_id"], meta["kind"], meta.get("prompt_text", ""),
+                           int(meta.get("n_speech_tokens", 0)), float(meta.get("created_at", 0.0)))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{source}: bad speaker metadata ({e})") from e
+
+
+def _read_header_file(path: Path) -> dict:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: truncated speaker file")
+        n = int.from_bytes(head, "little")
+        if n > 100_000_000:
+            raise ValueError(f"{path}: bad speaker file header")
+        return _read_header(head + f.read(n), str(path))
+
+
+def encode_page_token(last_id: str) -> str:
+    return base64.urlsafe_b64encode(last_id.encode("utf-8")).decode("ascii").rstrip("=")
+
+
+def decode_page_token(token: str) -> str:
+    try:
+        last_id = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode("utf-8")
+        return validate_speaker_id(last_id)
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise InvalidRequest(
+            "page_token is not valid: pass the next_page_token of the previous page, or empty") from None
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class SpeakerStore:
+    """Thread- and process-safe speaker registry on a folder, with a bounded LRU cache.
+
+    All methods are blocking (file I/O); call them from a worker thread in async code.
+    """
+
+    def __init__(self, directory: str | os.PathLike, cache_size: int = 256):
+        if cache_size < 1:
+            raise ValueError("cache_size must be >= 1")
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cache_size = cache_size
+        self._thread_lock = threading.RLock()
+        self._cache: OrderedDict[str, tuple[tuple[int, int, int], SpeakerRecord]] = OrderedDict()
+        self._index: dict[str, tuple[tuple[int, int, int], SpeakerInfo | None]] = {}
+        self._index_lock = threading.Lock()
+        self._clean_temp_files()
+
+    @classmethod
+    def from_config(cls, config) -> "SpeakerStore":
+        """From a `Config` (uses `config.speakers.dir` and `.cache_size`)."""
+        return cls(config.speakers.dir, config.speakers.cache_size)
+
+    def __repr__(self) -> str:
+        return f"SpeakerStore({str(self.dir)!r})"
+
+    # ---- locking ----
+
+    @contextlib.contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        """Serialize writers: a thread lock inside this process, flock across processes."""
+        with self._thread_lock:
+            fd = os.open(self.dir / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
+
+    def _clean_temp_files(self) -> None:
+        """Remove temp files a crashed writer left. Writers hold the lock while theirs exist."""
+        with self._write_lock():
+            for entry in os.scandir(self.dir):
+                if entry.name.startswith(_TMP_PREFIX):
+                    log.warning("speaker store %s: removing %s left by an interrupted write",
+                                self.dir, entry.name)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _path(self, speaker_id: str) -> Path:
+        return self.dir / speaker_file_name(speaker_id)
+
+    # ---- public API ----
+
+    def put(self, record: SpeakerRecord, overwrite: bool = False) -> None:
+        """Store a record. An existing id raises SpeakerExists unless `overwrite`."""
+        data = record.to_bytes()
+        path = self._path(record.speaker_id)
+        with self._write_lock():
+            if not overwrite and path.exists():
+                raise SpeakerExists(
+                    f"speaker {record.speaker_id!r} already exists; delete it first or set overwrite")
+            self._write_atomic(path, data)
+        with self._thread_lock:
+            self._cache.pop(record.speaker_id, None)
+
+    def _write_atomic(self, path: Path, data: bytes) -> None:
+        tmp = self.dir / f"{_TMP_PREFIX}{path.stem[:16]}-{os.getpid()}-{threading.get_ident()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            for start in range(0, len(view), _WRITE_BLOCK):
+                block = view[start:start + _WRITE_BLOCK]
+                while block:
+                    block = block[os.write(fd, block):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        self._fsync_dir()
+
+    def get(self, speaker_id: str) -> SpeakerRecord:
+        validate_speaker_id(speaker_id)
+        path = self._path(speaker_id)
+        for _ in range(3):  # a concurrent overwrite may swap the file between stat and open
+            try:
+                key = _stat_key(os.stat(path))
+            except FileNotFoundError:
+                with self._thread_lock:
+                    self._cache.pop(speaker_id, None)
+                raise SpeakerNotFound(f"speaker {speaker_id!r} not found") from None
+            with self._thread_lock:
+                hit = self._cache.get(speaker_id)
+                if hit is not None and hit[0] == key:
+                    self._cache.move_to_end(speaker_id)
+                    return hit[1]
+            try:
+                with open(path, "rb") as f:
+                    if _stat_key(os.fstat(f.fileno())) != key:
+                        continue
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            record = SpeakerRecord.from_bytes(data, str(path))
+            if record.speaker_id != speaker_id:  # sha256 collision or a file moved by hand
+                log.error("speaker store %s: %s holds %r, not %r", self.dir, path.name,
+                          record.speaker_id, speaker_id)
+                raise SpeakerNotFound(f"speaker {speaker_id!r} not found")
+            with self._thread_lock:
+                self._cache[speaker_id] = (key, record)
+                self._cache.move_to_end(speaker_id)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return record
+        raise SpeakerNotFound(f"speaker {speaker_id!r} not found")
+
+    def exists(self, speaker_id: str) -> bool:
+        validate_speaker_id(speaker_id)
+        return self._path(speaker_id).exists()
+
+    def __contains__(self, speaker_id: object) -> bool:
+        try:
+            return self.exists(speaker_id)  # type: ignore[arg-type]
+        except InvalidRequest:
+            return False
+
+    def delete(self, speaker_id: str) -> None:
+        validate_speaker_id(speaker_id)
+        path = self._path(speaker_id)
+        with self._write_lock():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                raise SpeakerNotFound(f"speaker {speaker_id!r} not found") from None
+            self._fsync_dir()
+        with self._thread_lock:
+            self._cache.pop(speaker_id, None)
+
+    def infos(self) -> list[SpeakerInfo]:
+        """Every speaker (header data only), sorted by id."""
+        seen: dict[str, tuple[tuple[int, int, int], SpeakerInfo | None]] = {}
+        with self._index_lock:
+            for entry in os.scandir(self.dir):
+                name = entry.name
+                if not name.endswith(SUFFIX) or name.startswith("."):
+                    continue
+                try:
+                    key = _stat_key(entry.stat())
+                except FileNotFoundError:
+                    continue
+                old = self._index.get(name)
+                if old is not None and old[0] == key:
+                    seen[name] = old
+                    continue
+                try:
+                    info = _info_from_metadata(_read_header_file(Path(entry.path)), entry.path)
+                    if speaker_file_name(info.speaker_id) != name:
+                        raise ValueError(f"{entry.path}: file name does not match its speaker id")
+                except FileNotFoundError:
+                    continue
+                except (OSError, ValueError) as e:
+                    log.warning("speaker store %s: skipping %s: %s", self.dir, name, e)
+                    info = None
+                seen[name] = (key, info)
+            self._index = seen
+        return sorted((info for _, info in seen.values() if info is not None),
+                      key=lambda i: i.speaker_id)
+
+    def ids(self) -> list[str]:
+        return [i.speaker_id for i in self.infos()]
+
+    def __len__(self) -> int:
+        return len(self.infos())
+
+    def list(self, page_size: int = 0, page_token: str = "") -> SpeakerPage:
+        """One page of speakers sorted by id. page_size 0 means DEFAULT_PAGE_SIZE; sizes above
+        MAX_PAGE_SIZE are clamped. Pass the returned next_page_token to get the next page."""
+        if page_size < 0:
+            raise InvalidRequest(f"page_size must be >= 0, got {page_size}")
+        page_size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = decode_page_token(page_token) if page_token else None
+        infos = self.infos()
+        if after is not None:
+            infos = [i for i in infos if i.speaker_id > after]
+        page = infos[:page_size]
+        next_token = encode_page_token(page[-1].speaker_id) if len(infos) > page_size else ""
+        return SpeakerPage(page, next_token)
+
+    # ---- upstream spk2info.pt ----
+
+    def import_spk2info(self, path: str | os.PathLike, overwrite: bool = False,
+                        rename: Mapping[str, str] | None = None,
+                        tokenize: Callable[[str], Sequence[int]] | None = None) -> list[str]:
+        """Import every entry of an upstream (or peer-layout) `spk2info.pt`.
+
+        Entry keys become speaker ids, through `rename` where given. Peer entries that store the
+        prompt transcript only as text need `tokenize` (the model's text tokenizer). All ids are
+        validated and checked for existence before anything is written. Returns the imported ids.
+        """
+        from .frontend import spk2info as upstream
+
+        rename = dict(rename or {})
+        records = []
+        for entry in upstream.load_spk2info(path):
+            key = entry.speaker_id
+            new_id = rename.get(key, key)
+            try:
+                validate_speaker_id(new_id)
+            except InvalidRequest as e:
+                raise InvalidRequest(f"{path}: entry {key!r} cannot be imported: {e}; "
+                                     "map it to a valid id with rename") from None
+            records.append(record_from_entry(entry, new_id, tokenize))
+        if not overwrite:
+            existing = [r.speaker_id for r in records if self.exists(r.speaker_id)]
+            if existing:
+                raise SpeakerExists(f"speakers already exist: {', '.join(sorted(existing))}; "
+                                    "pass overwrite to replace them")
+        for rec in records:
+            self.put(rec, overwrite=overwrite)
+        return [r.speaker_id for r in records]
+
+    def export_spk2info(self, path: str | os.PathLike, speaker_ids: Iterable[str] | None = None) -> list[str]:
+        """Write speakers (all by default) as an upstream-loadable `spk2info.pt` (keys = speaker
+        ids). Returns the exported ids."""
+        from .frontend import spk2info as upstream
+
+        ids = self.ids() if speaker_ids is None else [validate_speaker_id(i) for i in speaker_ids]
+        upstream.save_spk2info([self.get(i) for i in ids], path)
+        return ids
+
+
+def record_from_entry(entry, speaker_id: str | None = None,
+                      tokenize: Callable[[str], Sequence[int]] | None = None,
+                      created_at: float | None = None) -> SpeakerRecord:
+    """A `SpeakerRecord` from a `frontend.spk2info` entry (same field names)."""
+    speaker_id = entry.speaker_id if speaker_id is None else speaker_id
+    if entry.kind == "sft":
+        return SpeakerRecord.sft(speaker_id, entry.embedding, created_at)
+    tokens = entry.prompt_text_tokens
+    if tokens is None:
+        if tokenize is None:
+            raise InvalidRequest(f"speaker {entry.speaker_id!r} stores its prompt text only as a string; "
+                                 "importing it needs the model's text tokenizer")
+        tokens = np.asarray(list(tokenize(entry.prompt_text)), dtype=np.int32)
+    return SpeakerRecord(speaker_id, "zero_shot", entry.prompt_text, tokens, entry.speech_tokens,
+                         entry.speech_feat, entry.embedding,
+                         time.time() if created_at is None else created_at)

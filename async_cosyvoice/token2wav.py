@@ -1,0 +1,320 @@
+"""Speech tokens -> 24 kHz audio: the per-request chunk schedule and its execution.
+
+Two halves, kept apart so a cross-stream batcher can run many streams' chunks together:
+
+- plan: `Token2WavStream` is one request's state (prompt, hop schedule, token offset, HiFT
+  caches). `next_job(tokens, llm_done)` says what to compute next, or None (wait for tokens).
+  It changes nothing; a job is applied to its stream exactly once, in order.
+- run: `Token2WavRunner.run(job)` computes a job with a Flow and a HiFT module:
+      flow mel  = flow.inference(...)                    (batchable across streams)
+      mel, cache = stream.hift_input(job, flow mel)      (pure)
+      speech, source = hift.inference(mel, cache)        (batchable across streams)
+      samples = stream.finish(job, mel, speech, source)  (cross-fade, caches, advance)
+
+Schedule (facts sheet §5, upstream `CosyVoice2Model.tts` / `token2wav`), except that the hop
+state belongs to one request (upstream mutates a hop shared by all requests):
+- streaming: the first chunk covers `first_hop + pad` tokens, pad = ceil(P/align)*align - P
+  (align = first_hop by default), so later chunks line up with the flow's chunk masks counted
+  from the prompt start; later hops double up to `max_hop_multiple * first_hop`. A chunk runs
+  once hop + 3 lookahead tokens past the offset exist; the flow sees every token up to
+  offset + hop + 3 with chunked attention, and the mel after 2*offset is kept. When the LLM is
+  done and no full chunk is left, one final call renders the rest with full attention.
+- non-streaming: a single final call over all tokens; `speed` != 1 resamples its mel.
+- HiFT carries 8 mel frames, 3840 source and 3840 speech samples from chunk to chunk; each new
+  chunk's first 3840 samples are cross-faded with the held-back tail (Hamming(7680) halves,
+  computed in float64) and every non-final chunk withholds its last 3840 samples.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .models.hift import HiFT, NSFNoise
+
+__all__ = [
+    "ChunkSchedule", "Token2WavJob", "Token2WavStream", "Token2WavRunner", "ChunkRecord",
+    "FlowLike", "crossfade",
+]
+
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """Streaming chunk sizes in speech tokens, and the HiFT cache sizes.
+
+    Upstream: first_hop 25, max_hop 100 (4 x 25), doubling after each chunk; our service
+    starts at 15 for a faster first chunk.
+    """
+    first_hop: int = 25
+    max_hop_multiple: int = 4
+    hop_scale: int = 2
+    pre_lookahead: int = 3        # flow.pre_lookahead_len
+    prompt_align: int | None = None  # pad the first hop so P + hop is a multiple of this; None: first_hop
+    token_mel_ratio: int = 2
+    mel_cache_len: int = 8        # mel frames carried between HiFT calls
+    samples_per_frame: int = 480  # HiFT samples per mel frame
+
+    def __post_init__(self):
+        for name in ("first_hop", "max_hop_multiple", "hop_scale", "token_mel_ratio", "mel_cache_len",
+                     "samples_per_frame"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ChunkSchedule.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pre_lookahead < 0:
+            raise ValueError(f"ChunkSchedule.pre_lookahead must be >= 0, got {self.pre_lookahead}")
+        if self.prompt_align is not None and self.prompt_align < 1:
+            raise ValueError(f"ChunkSchedule.prompt_align must be >= 1 or None, got {self.prompt_align}")
+
+    @property
+    def max_hop(self) -> int:
+        return self.first_hop * self.max_hop_multiple
+
+    @property
+    def source_cache_len(self) -> int:
+        return self.mel_cache_len * self.samples_per_frame
+
+    def first_hop_pad(self, n_prompt_tokens: int) -> int:
+        align = self.prompt_align or self.first_hop
+        return math.ceil(n_prompt_tokens / align) * align - n_prompt_tokens
+
+
+@functools.lru_cache(maxsize=8)
+def _hamming64(n: int) -> Tensor:
+    return torch.from_numpy(np.hamming(n))  # float64, symmetric, like upstream's speech_window
+
+
+def crossfade(new: Tensor, old_tail: Tensor) -> Tensor:
+    """Fade the head of `new` (…, L') in over `old_tail` (…, L): new[:L]*w[:L] + old*w[L:],
+    w = Hamming(2L) in float64, result in new's dtype. Returns a new tensor."""
+    n = old_tail.shape[-1]
+    w = _hamming64(2 * n).to(new.device)
+    head = new[..., :n].double() * w[:n] + old_tail.double() * w[n:]
+    return torch.cat([head.to(new.dtype), new[..., n:]], dim=-1)
+
+
+class FlowLike(Protocol):
+    def inference(self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
+                  streaming: bool, finalize: bool) -> Tensor:
+        """-> mel (1, 80, T_new) for the target tokens (prompt excluded)."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class Token2WavJob:
+    """One flow + HiFT call for one stream."""
+    stream: "Token2WavStream" = field(repr=False)
+    index: int                # chunk number within the stream
+    tokens: Tensor            # (1, n_tokens) int32: every target token the flow sees
+    token_offset: int         # tokens already rendered; the flow mel before 2*offset is dropped
+    hop: int                  # tokens this job renders (for the final job: all that remain)
+    finalize: bool
+    streaming: bool           # chunked (True) or full (False) attention in the flow
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+@dataclass
+class _HiFTCache:
+    mel: Tensor     # (1, 80, mel_cache_len)
+    source: Tensor  # (1, 1, source_cache_len)
+    speech: Tensor  # (1, source_cache_len), after its own cross-fade
+
+
+class Token2WavStream:
+    """One request's token2wav state. Not shared; dropped with the request."""
+
+    def __init__(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, *, stream: bool = True,
+                 schedule: ChunkSchedule = ChunkSchedule(), speed: float = 1.0, noise: NSFNoise | None = None):
+        """prompt_token (1, P) speech ids, prompt_feat (1, token_mel_ratio*P, 80) prompt mel,
+        embedding (1, 192) x-vector. noise: the NSF policy of every HiFT call (None: torch's
+        default RNG, like upstream)."""
+        prompt_token = torch.as_tensor(prompt_token).reshape(1, -1).to(torch.int32)
+        n_prompt = prompt_token.shape[1]
+        if prompt_feat.dim() != 3 or prompt_feat.shape[0] != 1 or prompt_feat.shape[1] != schedule.token_mel_ratio * n_prompt:
+            raise ValueError(f"prompt_feat must be (1, {schedule.token_mel_ratio * n_prompt}, 80) for {n_prompt} prompt "
+                             f"tokens, got {tuple(prompt_feat.shape)}")
+        if not speed > 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if stream and speed != 1.0:
+            raise ValueError("speed != 1 is only supported without streaming")
+        self.prompt_token = prompt_token
+        self.prompt_feat = prompt_feat
+        self.embedding = embedding
+        self.stream = stream
+        self.schedule = schedule
+        self.speed = speed
+        self.noise = noise
+        self.pad = schedule.first_hop_pad(n_prompt) if stream else 0
+        self.hop = schedule.first_hop   # next non-first hop; doubles after each chunk
+        self.token_offset = 0
+        self.chunks_done = 0
+        self.samples_emitted = 0
+        self.finished = False
+        self._cache: _HiFTCache | None = None
+
+    # -- plan
+
+    def next_job(self, tokens: Sequence[int] | Tensor, llm_done: bool) -> Token2WavJob | None:
+        """The next job given all target tokens so far, or None if it must wait for more.
+        Pure: calling it again before the job is finished returns the same job."""
+        if self.finished:
+            return None
+        if isinstance(tokens, Tensor):
+            tokens = tokens.reshape(-1)
+        n = len(tokens)
+        if n < self.token_offset:
+            raise ValueError(f"token list shrank: {n} tokens, {self.token_offset} already rendered")
+        if self.stream:
+            hop = self.hop + (self.pad if self.chunks_done == 0 else 0)
+            end = self.token_offset + hop + self.schedule.pre_lookahead
+            if n >= end:
+                return self._job(tokens, end, hop, finalize=False, streaming=True)
+        if not llm_done:
+            return None
+        return self._job(tokens, n, n - self.token_offset, finalize=True, streaming=False)
+
+    def _job(self, tokens, end: int, hop: int, finalize: bool, streaming: bool) -> Token2WavJob:
+        t = torch.as_tensor(tokens[:end]).to(torch.int32).reshape(1, -1)
+        return Token2WavJob(self, self.chunks_done, t, self.token_offset, hop, finalize, streaming)
+
+    # -- run (the model calls are the runner's)
+
+    def _check(self, job: Token2WavJob):
+        if job.stream is not self:
+            raise ValueError("job belongs to another stream")
+        if self.finished or job.index != self.chunks_done:
+            raise RuntimeError(f"stale job {job.index}: stream has finished {self.chunks_done} chunks"
+                               + (" and is done" if self.finished else ""))
+
+    def hift_input(self, job: Token2WavJob, flow_mel: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Flow output (1, 80, 2*(n_tokens[-3])) -> (mel for HiFT, cache_source or None)."""
+        self._check(job)
+        mel = flow_mel[:, :, job.token_offset * self.schedule.token_mel_ratio:]
+        if self._cache is not None:
+            mel = torch.cat([self._cache.mel.to(mel.device, mel.dtype), mel], dim=2)
+            return mel, self._cache.source
+        if job.finalize and self.speed != 1.0:
+            mel = F.interpolate(mel, size=int(mel.shape[2] / self.speed), mode="linear")
+        return mel, None
+
+    def finish(self, job: Token2WavJob, hift_mel: Tensor, speech: Tensor, source: Tensor) -> Tensor:
+        """Apply a job's HiFT output: cross-fade, update the caches and the schedule.
+        hift_mel (1, 80, T), speech (1, 480T), source (1, 1, 480T). Returns the samples to emit,
+        a 1-D float32 tensor on speech's device."""
+        self._check(job)
+        sched = self.schedule
+        if self._cache is not None:
+            speech = crossfade(speech, self._cache.speech.to(speech.device))
+        if job.finalize:
+            out = speech
+            self._cache = None
+            self.finished = True
+            self.token_offset = job.n_tokens
+        else:
+            keep = sched.source_cache_len
+            # clones: the outputs may be views into a batch the cache must not keep alive
+            self._cache = _HiFTCache(mel=hift_mel[:, :, -sched.mel_cache_len:].clone(),
+                                     source=source[:, :, -keep:].clone(), speech=speech[:, -keep:].clone())
+            out = speech[:, :-keep]
+            self.token_offset += job.hop
+            self.hop = min(sched.max_hop, self.hop * sched.hop_scale)
+        self.chunks_done += 1
+        out = out.reshape(-1).to(torch.float32)
+        self.samples_emitted += out.numel()
+        return out
+
+
+@dataclass
+class ChunkRecord:
+    """What one token2wav call saw and produced (the golden files' `call<i>/…` arrays)."""
+    n_tokens: int
+    token_offset: int
+    finalize: bool
+    flow_streaming: bool
+    flow_mel: Tensor             # flow output before the token_offset slice
+    hift_in_mel: Tensor          # after the slice, cached mel prepended
+    hift_in_cache_source: Tensor  # (1, 1, 0) when there is no cache
+    hift_speech: Tensor          # raw HiFT output
+    hift_source: Tensor
+    out: Tensor                  # (1, n) emitted samples
+
+
+class Token2WavRunner:
+    """Runs jobs with a Flow module and a HiFT module (one stream at a time, or several)."""
+
+    def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None):
+        self.flow = flow
+        self.hift = hift
+        self.recorder = recorder
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hift.parameters()).device
+
+    @torch.no_grad()
+    def flow_mel(self, job: Token2WavJob) -> Tensor:
+        s, dev = job.stream, self.device
+        if job.finalize and job.hop == 0:  # nothing new: the mel after 2*offset would be empty
+            return s.prompt_feat.new_zeros(1, s.prompt_feat.shape[2], 0).to(dev)
+        return self.flow.inference(job.tokens.to(dev), s.prompt_token.to(dev), s.prompt_feat.to(dev),
+                                   s.embedding.to(dev), streaming=job.streaming, finalize=job.finalize)
+
+    def run(self, job: Token2WavJob) -> Tensor:
+        """Compute one job and apply it to its stream; returns the emitted samples (1-D float32, CPU)."""
+        return self.run_many([job])[0]
+
+    @torch.no_grad()
+    def run_many(self, jobs: Sequence[Token2WavJob]) -> list[Tensor]:
+        """Compute jobs of distinct streams: the flow one job at a time, HiFT batched over jobs
+        whose mels have the same length (an exact grouping). Returns each job's samples."""
+        if len({id(j.stream) for j in jobs}) != len(jobs):
+            raise ValueError("run_many takes at most one job per stream (a stream's chunks are sequential)")
+        for job in jobs:
+            job.stream._check(job)
+        flow_mels = [self.flow_mel(job) for job in jobs]
+        inputs = [job.stream.hift_input(job, mel) for job, mel in zip(jobs, flow_mels)]
+
+        hift_out: list[tuple[Tensor, Tensor] | None] = [None] * len(jobs)
+        groups: dict[int, list[int]] = {}
+        for i, (mel, _) in enumerate(inputs):
+            groups.setdefault(mel.shape[2], []).append(i)
+        for frames, idx in groups.items():
+            if frames == 0:  # nothing left to render (final call right after a full chunk, no cache)
+                for i in idx:
+                    hift_out[i] = (inputs[i][0].new_zeros(1, 0), inputs[i][0].new_zeros(1, 1, 0))
+                continue
+            mel = torch.cat([inputs[i][0] for i in idx])
+            caches = [inputs[i][1] for i in idx]
+            noise = [jobs[i].stream.noise or NSFNoise() for i in idx]
+            if len(idx) == 1:
+                speech, source = self.hift.inference(mel, caches[0], noise[0])
+            else:
+                speech, source = self.hift.inference(mel, caches, noise)
+            for k, i in enumerate(idx):
+                hift_out[i] = (speech[k:k + 1], source[k:k + 1])
+
+        outs = []
+        for job, flow_mel, (mel, cache), (speech, source) in zip(jobs, flow_mels, inputs, hift_out):
+            out = job.stream.finish(job, mel, speech, source)
+            if self.recorder is not None:
+                self.recorder(ChunkRecord(
+                    n_tokens=job.n_tokens, token_offset=job.token_offset, finalize=job.finalize,
+                    flow_streaming=job.streaming, flow_mel=flow_mel, hift_in_mel=mel,
+                    hift_in_cache_source=cache if cache is not None else mel.new_zeros(1, 1, 0),
+                    hift_speech=speech, hift_source=source, out=out.reshape(1, -1)))
+            outs.append(out.cpu())
+        return outs
+
+    def render(self, stream: Token2WavStream, tokens: Sequence[int] | Tensor) -> list[Tensor]:
+        """Every chunk of a stream whose tokens are all known (LLM done), in order."""
+        chunks = []
+        while (job := stream.next_job(tokens, llm_done=True)) is not None:
+            chunks.append(self.run(job))
+        return chunks

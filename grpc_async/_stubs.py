@@ -1,0 +1,139 @@
+"""Python stubs for protos/cosyvoice.proto, generated on first import.
+
+`grpc_tools.protoc` (a dependency) compiles the proto into a cache folder named after a hash of
+the proto text and the protobuf/grpcio-tools versions, so an edited proto or an upgraded
+protobuf gets fresh stubs and nothing generated is ever committed. The modules are loaded under
+`grpc_async.cosyvoice_pb2` / `grpc_async.cosyvoice_pb2_grpc` without touching `sys.path`.
+
+Environment:
+  ASYNC_COSYVOICE_PROTO      path of cosyvoice.proto (default: next to this package or the repo's protos/)
+  ASYNC_COSYVOICE_STUBS_DIR  cache folder (default: $XDG_CACHE_HOME/async_cosyvoice/stubs)
+
+`python -m grpc_async._stubs` prints where the stubs are.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+PROTO_NAME = "cosyvoice.proto"
+_PKG_DIR = Path(__file__).resolve().parent
+
+
+def proto_path() -> Path:
+    env = os.environ.get("ASYNC_COSYVOICE_PROTO")
+    candidates = [Path(env)] if env else []
+    candidates += [_PKG_DIR / PROTO_NAME, _PKG_DIR.parent / "protos" / PROTO_NAME]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{PROTO_NAME} not found (looked in {', '.join(map(str, candidates))}); "
+        "set ASYNC_COSYVOICE_PROTO to its path")
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("ASYNC_COSYVOICE_STUBS_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "async_cosyvoice" / "stubs"
+
+
+def _fingerprint(proto: bytes) -> str:
+    import google.protobuf
+    import grpc_tools
+
+    h = hashlib.sha256(proto)
+    h.update(google.protobuf.__version__.encode())
+    h.update(getattr(grpc_tools, "__version__", "").encode())
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+        h.update(version("grpcio-tools").encode())
+    return h.hexdigest()[:20]
+
+
+def _compile(proto: Path, out_dir: Path) -> None:
+    import grpc_tools
+    from grpc_tools import protoc
+
+    well_known = Path(grpc_tools.__file__).resolve().parent / "_proto"
+    args = ["grpc_tools.protoc", f"-I{proto.parent}", f"-I{well_known}",
+            f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", str(proto)]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed on {proto} (see the messages above)")
+
+
+def stubs_dir() -> Path:
+    """Folder holding the generated modules for the current proto (generated if missing)."""
+    proto = proto_path()
+    data = proto.read_bytes()
+    key = _fingerprint(data)
+    roots = [_cache_root(), Path(tempfile.gettempdir()) / f"async_cosyvoice-stubs-{os.getuid()}"]
+    last_error: Exception | None = None
+    for root in roots:
+        target = root / key
+        if (target / "cosyvoice_pb2_grpc.py").is_file():
+            return target
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix=".gen-", dir=root))
+            try:
+                _compile(proto, work)
+                try:
+                    os.replace(work, target)  # atomic; another process may have won the race
+                except OSError:
+                    if not (target / "cosyvoice_pb2_grpc.py").is_file():
+                        raise
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            return target
+        except OSError as e:  # cache folder not writable: try the next one
+            last_error = e
+    raise RuntimeError(f"cannot write generated stubs to {roots}: {last_error}")
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def load() -> tuple[ModuleType, ModuleType]:
+    """(cosyvoice_pb2, cosyvoice_pb2_grpc), generating them if needed."""
+    pkg = __name__.rpartition(".")[0]
+    pb2_name, grpc_name = f"{pkg}.cosyvoice_pb2", f"{pkg}.cosyvoice_pb2_grpc"
+    if grpc_name in sys.modules:
+        return sys.modules[pb2_name], sys.modules[grpc_name]
+    folder = stubs_dir()
+    pb2 = _load(pb2_name, folder / "cosyvoice_pb2.py")
+    # The generated service module does `import cosyvoice_pb2`; satisfy that one import with the
+    # module just loaded instead of putting the cache folder on sys.path.
+    saved = sys.modules.get("cosyvoice_pb2")
+    sys.modules["cosyvoice_pb2"] = pb2
+    try:
+        pb2_grpc = _load(grpc_name, folder / "cosyvoice_pb2_grpc.py")
+    finally:
+        if saved is None:
+            sys.modules.pop("cosyvoice_pb2", None)
+        else:
+            sys.modules["cosyvoice_pb2"] = saved
+    return pb2, pb2_grpc
+
+
+if __name__ == "__main__":
+    print(stubs_dir())

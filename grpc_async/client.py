@@ -1,0 +1,405 @@
+"""Async client for the CosyVoice gRPC service, and the `async-cosyvoice client` CLI.
+
+    async with CosyVoiceClient("127.0.0.1:50051") as client:
+        await client.register_speaker("alice", "transcript of the prompt", "prompt.wav")
+        audio, rate = await collect(client.synthesize("Hello there.", speaker_id="alice"))
+
+`synthesize` picks the mode from what it is given (see `infer_mode`) unless `mode` is set.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterable, AsyncIterator, Iterable, Sequence, Union
+
+import grpc
+import numpy as np
+
+from . import pb2, pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+TOKEN_ENV = "ASYNC_COSYVOICE_TOKEN"
+WAV_HEADER_BYTES = 44
+
+# Prompt/source audio: a file path, a whole file's bytes, (samples, sample_rate), or AudioData.
+AudioInput = Union[str, os.PathLike, bytes, tuple, "pb2.AudioData"]
+
+ENCODINGS = {"pcm16": pb2.AUDIO_ENCODING_PCM16, "float32": pb2.AUDIO_ENCODING_FLOAT32,
+             "wav": pb2.AUDIO_ENCODING_WAV}
+MODES = ("zero_shot", "cross_lingual", "instruct2", "sft", "zero_shot_by_spk_id",
+         "instruct2_by_spk_id", "vc")
+
+
+def audio_data(audio: AudioInput) -> pb2.AudioData:
+    """AudioData from a path (sent as file bytes), file bytes, or (float samples, rate)."""
+    if isinstance(audio, pb2.AudioData):
+        return audio
+    if isinstance(audio, (str, os.PathLike)):
+        return pb2.AudioData(file=Path(audio).read_bytes())
+    if isinstance(audio, (bytes, bytearray, memoryview)):
+        return pb2.AudioData(file=bytes(audio))
+    if isinstance(audio, tuple) and len(audio) == 2:
+        samples, rate = audio
+        x = np.asarray(samples, dtype="<f4")
+        channels = 1 if x.ndim == 1 else x.shape[1]
+        return pb2.AudioData(pcm=pb2.RawPcm(data=x.tobytes(), encoding=pb2.PCM_ENCODING_F32LE,
+                                            sample_rate=int(rate), channels=channels))
+    raise TypeError(f"cannot send {type(audio).__name__} as audio: pass a path, file bytes, "
+                    "(samples, sample_rate) or AudioData")
+
+
+def infer_mode(*, speaker_id: str | None, prompt_audio, prompt_text: str | None,
+               instruct_text: str | None, source_audio) -> str:
+    """source_audio -> vc; speaker_id -> zero_shot_by_spk_id (instruct2_by_spk_id with an
+    instruction); prompt_audio -> zero_shot with prompt_text, instruct2 with an instruction,
+    else cross_lingual. sft must be asked for explicitly."""
+    if source_audio is not None:
+        return "vc"
+    if speaker_id:
+        return "instruct2_by_spk_id" if instruct_text else "zero_shot_by_spk_id"
+    if prompt_audio is not None:
+        if instruct_text:
+            return "instruct2"
+        return "zero_shot" if prompt_text else "cross_lingual"
+    raise ValueError("say whose voice: speaker_id, prompt_audio (+ prompt_text), or source_audio for vc")
+
+
+def _voice(mode: str, *, speaker_id, prompt_audio, prompt_text, instruct_text, source_audio):
+    """(oneof field name, mode message)."""
+    if mode == "zero_shot":
+        return mode, pb2.ZeroShot(prompt_text=prompt_text or "", prompt_audio=audio_data(prompt_audio))
+    if mode == "cross_lingual":
+        return mode, pb2.CrossLingual(prompt_audio=audio_data(prompt_audio))
+    if mode == "instruct2":
+        return mode, pb2.Instruct2(instruct_text=instruct_text or "", prompt_audio=audio_data(prompt_audio))
+    if mode == "sft":
+        return mode, pb2.Sft(speaker_id=speaker_id or "")
+    if mode == "zero_shot_by_spk_id":
+        return mode, pb2.ZeroShotBySpeaker(speaker_id=speaker_id or "")
+    if mode == "instruct2_by_spk_id":
+        return mode, pb2.Instruct2BySpeaker(speaker_id=speaker_id or "", instruct_text=instruct_text or "")
+    if mode == "vc":
+        return mode, pb2.VoiceConversion(source_audio=audio_data(source_audio),
+                                         prompt_audio=audio_data(prompt_audio))
+    raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+
+
+def options(*, stream: bool = False, speed: float | None = None, text_frontend: bool | None = None,
+            encoding: str | int = "float32", sample_rate: int = 0, seed: int | None = None) -> pb2.SynthesisOptions:
+    o = pb2.SynthesisOptions(stream=stream, sample_rate=sample_rate,
+                             encoding=ENCODINGS[encoding] if isinstance(encoding, str) else encoding)
+    if speed is not None:
+        o.speed = speed
+    if text_frontend is not None:
+        o.text_frontend = text_frontend
+    if seed is not None:
+        o.seed = seed
+    return o
+
+
+def chunk_samples(chunk: pb2.AudioChunk) -> np.ndarray:
+    """The float32 samples of one chunk (WAV header stripped)."""
+    data = chunk.audio
+    if chunk.encoding == pb2.AUDIO_ENCODING_FLOAT32:
+        return np.frombuffer(data, dtype="<f4").astype(np.float32)
+    if chunk.encoding == pb2.AUDIO_ENCODING_WAV and chunk.index == 0:
+        data = data[WAV_HEADER_BYTES:]
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+@dataclass
+class Synthesis:
+    audio: np.ndarray           # float32 mono
+    sample_rate: int
+    chunks: int
+    summary: pb2.SynthesisSummary
+
+
+async def collect(chunks: AsyncIterable[pb2.AudioChunk]) -> Synthesis:
+    """Gather a response's chunks into one array (checks indices and the final marker)."""
+    parts, rate, n, summary = [], 0, 0, pb2.SynthesisSummary()
+    async for chunk in chunks:
+        if chunk.index != n:
+            raise RuntimeError(f"chunk {chunk.index} arrived, expected {n}")
+        parts.append(chunk_samples(chunk))
+        rate = chunk.sample_rate
+        n += 1
+        if chunk.is_final:
+            summary = chunk.summary
+    if not n:
+        raise RuntimeError("the server sent no audio")
+    return Synthesis(np.concatenate(parts), rate, n, summary)
+
+
+def fix_wav_sizes(data: bytes) -> bytes:
+    """Rewrite the RIFF and data sizes of a streamed WAV (sent as 0xFFFFFFFF) to the real ones."""
+    if len(data) < WAV_HEADER_BYTES or data[:4] != b"RIFF" or data[36:40] != b"data":
+        raise ValueError("not a 44-byte-header PCM WAV")
+    body = len(data) - WAV_HEADER_BYTES
+    return (data[:4] + (36 + body).to_bytes(4, "little") + data[8:40] + body.to_bytes(4, "little")
+            + data[WAV_HEADER_BYTES:])
+
+
+class CosyVoiceClient:
+    """Async client. `tls`: False (plaintext), True (system roots) or PEM root certificate bytes /
+    path; `client_cert` = (key PEM, cert PEM) for mTLS. The token is sent as bearer metadata."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, token: str | None = None,
+                 tls: bool | bytes | str | os.PathLike = False,
+                 client_cert: tuple[bytes, bytes] | None = None,
+                 max_message_bytes: int = 64 * 1024 * 1024, options: Sequence[tuple] = ()):
+        self.target = target
+        self._token_md = (("authorization", f"Bearer {token}"),) if token else ()
+        opts = [("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes), *options]
+        if tls is False:
+            self.channel = grpc.aio.insecure_channel(target, options=opts)
+        else:
+            roots = None
+            if isinstance(tls, (str, os.PathLike)):
+                roots = Path(tls).read_bytes()
+            elif isinstance(tls, bytes):
+                roots = tls
+            key, cert = client_cert or (None, None)
+            creds = grpc.ssl_channel_credentials(roots, key, cert)
+            self.channel = grpc.aio.secure_channel(target, creds, options=opts)
+        self.stub = pb2_grpc.CosyVoiceStub(self.channel)
+
+    async def __aenter__(self) -> "CosyVoiceClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _md(self, metadata=()) -> tuple:
+        return self._token_md + tuple(metadata)
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        """Wait until the server's health check reports SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+            if loop.time() > deadline:
+                raise TimeoutError(f"{self.target} not SERVING after {timeout} s")
+            await asyncio.sleep(0.2)
+
+    # ---- synthesis ----
+
+    def synthesize_request(self, text: str = "", *, mode: str | None = None, speaker_id: str | None = None,
+                           prompt_audio: AudioInput | None = None, prompt_text: str | None = None,
+                           instruct_text: str | None = None, source_audio: AudioInput | None = None,
+                           request_id: str = "", **opts) -> pb2.SynthesizeRequest:
+        mode = mode or infer_mode(speaker_id=speaker_id, prompt_audio=prompt_audio, prompt_text=prompt_text,
+                                  instruct_text=instruct_text, source_audio=source_audio)
+        field, msg = _voice(mode, speaker_id=speaker_id, prompt_audio=prompt_audio, prompt_text=prompt_text,
+                            instruct_text=instruct_text, source_audio=source_audio)
+        return pb2.SynthesizeRequest(text=text, options=options(**opts), request_id=request_id, **{field: msg})
+
+    async def synthesize(self, text: str = "", *, timeout: float | None = None, metadata=(),
+                         **kwargs) -> AsyncIterator[pb2.AudioChunk]:
+        """Chunks of one synthesis. Keyword arguments: the voice (mode, speaker_id, prompt_audio,
+        prompt_text, instruct_text, source_audio), options (stream, speed, text_frontend, encoding
+        'pcm16'|'float32'|'wav', sample_rate, seed) and request_id. Leaving the loop early (or
+        cancelling) cancels the RPC, which stops the work on the server."""
+        request = kwargs.pop("request", None) or self.synthesize_request(text, **kwargs)
+        call = self.stub.Synthesize(request, timeout=timeout, metadata=self._md(metadata))
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
+
+    async def stream_synthesize(self, text_pieces: AsyncIterable[str] | Iterable[str], *, mode: str | None = None,
+                                speaker_id: str | None = None, prompt_audio: AudioInput | None = None,
+                                prompt_text: str | None = None, instruct_text: str | None = None,
+                                request_id: str = "", timeout: float | None = None, metadata=(),
+                                **opts) -> AsyncIterator[pb2.AudioChunk]:
+        """Bidirectional: sends the voice config, then each text piece as it comes, then `end`;
+        yields audio while pieces are still being sent (sentence by sentence)."""
+        mode = mode or infer_mode(speaker_id=speaker_id, prompt_audio=prompt_audio, prompt_text=prompt_text,
+                                  instruct_text=instruct_text, source_audio=None)
+        field, msg = _voice(mode, speaker_id=speaker_id, prompt_audio=prompt_audio, prompt_text=prompt_text,
+                            instruct_text=instruct_text, source_audio=None)
+        config = pb2.StreamConfig(options=options(**opts), request_id=request_id, **{field: msg})
+
+        async def requests():
+            yield pb2.StreamSynthesizeRequest(config=config)
+            if hasattr(text_pieces, "__aiter__"):
+                async for piece in text_pieces:
+                    yield pb2.StreamSynthesizeRequest(text=piece)
+            else:
+                for piece in text_pieces:
+                    yield pb2.StreamSynthesizeRequest(text=piece)
+            yield pb2.StreamSynthesizeRequest(end=pb2.StreamEnd())
+
+        call = self.stub.StreamSynthesize(requests(), timeout=timeout, metadata=self._md(metadata))
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
+
+    # ---- speakers ----
+
+    async def register_speaker(self, speaker_id: str, prompt_text: str, prompt_audio: AudioInput,
+                               overwrite: bool = False, timeout: float | None = None) -> pb2.Speaker:
+        request = pb2.RegisterSpeakerRequest(speaker_id=speaker_id, prompt_text=prompt_text,
+                                             prompt_audio=audio_data(prompt_audio), overwrite=overwrite)
+        return await self.stub.RegisterSpeaker(request, timeout=timeout, metadata=self._md())
+
+    async def get_speaker(self, speaker_id: str, timeout: float | None = None) -> pb2.Speaker:
+        return await self.stub.GetSpeaker(pb2.GetSpeakerRequest(speaker_id=speaker_id),
+                                          timeout=timeout, metadata=self._md())
+
+    async def list_speakers(self, page_size: int = 0, page_token: str = "",
+                            timeout: float | None = None) -> pb2.ListSpeakersResponse:
+        return await self.stub.ListSpeakers(pb2.ListSpeakersRequest(page_size=page_size, page_token=page_token),
+                                            timeout=timeout, metadata=self._md())
+
+    async def all_speakers(self, page_size: int = 0) -> list[pb2.Speaker]:
+        out, token = [], ""
+        while True:
+            page = await self.list_speakers(page_size, token)
+            out.extend(page.speakers)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    async def delete_speaker(self, speaker_id: str, timeout: float | None = None) -> None:
+        await self.stub.DeleteSpeaker(pb2.DeleteSpeakerRequest(speaker_id=speaker_id),
+                                      timeout=timeout, metadata=self._md())
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: async-cosyvoice client ...
+
+
+def _speaker_line(s: pb2.Speaker) -> str:
+    kind = pb2.SpeakerKind.Name(s.kind).removeprefix("SPEAKER_KIND_").lower()
+    created = s.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if s.HasField("created_at") else "-"
+    return f"{s.speaker_id}\t{kind}\t{s.prompt_seconds:.2f}s\t{created}\t{s.prompt_text}"
+
+
+def write_wav(path: str | os.PathLike, audio: np.ndarray, sample_rate: int) -> None:
+    import soundfile as sf
+
+    sf.write(str(path), np.clip(audio, -1.0, 1.0), sample_rate, subtype="PCM_16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="async-cosyvoice client", description="Call a CosyVoice gRPC server.")
+    p.add_argument("--target", default=os.environ.get("ASYNC_COSYVOICE_TARGET", DEFAULT_TARGET),
+                   help=f"host:port (default {DEFAULT_TARGET}, env ASYNC_COSYVOICE_TARGET)")
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token (env {TOKEN_ENV})")
+    p.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-cert)")
+    p.add_argument("--ca-cert", help="PEM root certificate for TLS")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("synthesize", help="synthesize text to a wav file")
+    s.add_argument("--text", required=True, help="text to speak ('-' reads stdin)")
+    s.add_argument("--speaker", help="registered speaker id")
+    s.add_argument("--mode", choices=MODES, help="default: inferred from the other arguments")
+    s.add_argument("--prompt-wav", help="prompt audio file (wav/flac/ogg)")
+    s.add_argument("--prompt-text", help="transcript of the prompt audio (zero-shot)")
+    s.add_argument("--instruct", help="instruction (instruct2 modes)")
+    s.add_argument("--source-wav", help="source audio for voice conversion (--mode vc)")
+    s.add_argument("--stream", action="store_true", help="stream chunks (prints first-chunk latency)")
+    s.add_argument("--speed", type=float)
+    s.add_argument("--no-text-frontend", action="store_true", help="skip text normalization")
+    s.add_argument("--sample-rate", type=int, default=0, help="output rate (default: native 24000)")
+    s.add_argument("--seed", type=int)
+    s.add_argument("--out", required=True, help="output .wav")
+
+    r = sub.add_parser("register", help="register a speaker from prompt audio")
+    r.add_argument("--speaker", required=True)
+    r.add_argument("--prompt-wav", required=True)
+    r.add_argument("--prompt-text", required=True)
+    r.add_argument("--overwrite", action="store_true")
+
+    sp = sub.add_parser("speakers", help="list / show / delete speakers")
+    sp.add_argument("action", nargs="?", default="ls", choices=("ls", "show", "rm"))
+    sp.add_argument("speaker", nargs="?")
+    return p
+
+
+async def _run(args) -> int:
+    tls = (args.ca_cert or True) if (args.tls or args.ca_cert) else False
+    async with CosyVoiceClient(args.target, token=args.token, tls=tls) as client:
+        if args.command == "synthesize":
+            text = sys.stdin.read() if args.text == "-" else args.text
+            mode = args.mode
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            first = None
+
+            async def timed():
+                nonlocal first
+                async for chunk in client.synthesize(
+                        text, mode=mode, speaker_id=args.speaker, prompt_audio=args.prompt_wav,
+                        prompt_text=args.prompt_text, instruct_text=args.instruct, source_audio=args.source_wav,
+                        stream=args.stream, speed=args.speed,
+                        text_frontend=False if args.no_text_frontend else None,
+                        encoding="float32", sample_rate=args.sample_rate, seed=args.seed, timeout=args.timeout):
+                    if first is None and chunk.num_samples:
+                        first = loop.time() - t0
+                    yield chunk
+
+            result = await collect(timed())
+            write_wav(args.out, result.audio, result.sample_rate)
+            s = result.summary
+            print(f"wrote {args.out}: {len(result.audio) / result.sample_rate:.2f} s at {result.sample_rate} Hz, "
+                  f"{result.chunks} chunk(s), {s.speech_tokens} speech tokens, first chunk "
+                  f"{(first or 0) * 1e3:.0f} ms (server {s.first_chunk_latency_seconds * 1e3:.0f} ms), "
+                  f"RTF {s.rtf:.3f}")
+        elif args.command == "register":
+            s = await client.register_speaker(args.speaker, args.prompt_text, args.prompt_wav,
+                                              overwrite=args.overwrite, timeout=args.timeout)
+            print(_speaker_line(s))
+        elif args.action == "ls":
+            for s in await client.all_speakers():
+                print(_speaker_line(s))
+        else:
+            if not args.speaker:
+                raise SystemExit(f"async-cosyvoice client speakers {args.action}: give a speaker id")
+            if args.action == "show":
+                print(_speaker_line(await client.get_speaker(args.speaker, timeout=args.timeout)))
+            else:
+                await client.delete_speaker(args.speaker, timeout=args.timeout)
+                print(f"deleted {args.speaker}")
+    return 0
+
+
+def client_main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return asyncio.run(_run(args))
+    except grpc.aio.AioRpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+main = client_main
+
+if __name__ == "__main__":
+    raise SystemExit(client_main())

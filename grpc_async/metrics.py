@@ -1,0 +1,80 @@
+"""Prometheus metrics of the gRPC service, served on a side HTTP port (`server.metrics_port`).
+
+Each server owns its registry (several servers in one process, as in tests, do not collide).
+Engine gauges are read from `Synthesizer.engine_stats()` at scrape time.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+_RTF_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "cosyvoice_requests", "RPCs handled, by method, synthesis mode and final status code",
+            ["method", "mode", "status"], registry=r)
+        self.active_streams = Gauge(
+            "cosyvoice_active_streams", "Synthesis streams in progress (Synthesize + StreamSynthesize)",
+            registry=r)
+        self.rejected = Counter(
+            "cosyvoice_rejected_streams", "Synthesis streams refused because the concurrency limit was reached",
+            registry=r)
+        self.first_chunk_latency = Histogram(
+            "cosyvoice_first_chunk_latency_seconds", "Server-side time from request to first audio chunk",
+            ["mode", "stream"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.rtf = Histogram(
+            "cosyvoice_rtf", "Real-time factor of completed syntheses (wall time / audio time)",
+            ["mode", "stream"], buckets=_RTF_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "cosyvoice_request_duration_seconds", "Server-side wall time of RPCs",
+            ["method"], buckets=_DURATION_BUCKETS, registry=r)
+        self.audio_seconds = Counter(
+            "cosyvoice_audio_seconds", "Seconds of audio produced", ["mode"], registry=r)
+        self.speech_tokens = Counter(
+            "cosyvoice_speech_tokens", "Speech tokens generated", ["mode"], registry=r)
+        self.engine_running = Gauge(
+            "cosyvoice_engine_running_requests", "LM engine requests being generated", registry=r)
+        self.engine_waiting = Gauge(
+            "cosyvoice_engine_waiting_requests", "LM engine requests queued", registry=r)
+        self.engine_kv_usage = Gauge(
+            "cosyvoice_engine_kv_usage_ratio", "Fraction of the LM KV cache in use", registry=r)
+        self.ready = Gauge("cosyvoice_ready", "1 once the model is loaded and warmed up", registry=r)
+        self._http = None
+
+    def bind_engine(self, stats: Callable[[], object]) -> None:
+        """Read the engine gauges from `stats()` (an EngineStats) at every scrape."""
+        def field(name: str) -> Callable[[], float]:
+            def read() -> float:
+                try:
+                    return float(getattr(stats(), name))
+                except Exception:  # a scrape must never fail because the engine is gone
+                    return float("nan")
+            return read
+        self.engine_running.set_function(field("running"))
+        self.engine_waiting.set_function(field("waiting"))
+        self.engine_kv_usage.set_function(field("kv_usage"))
+
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        bound = server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
