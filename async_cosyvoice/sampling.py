@@ -65,17 +65,32 @@ def _param(value, batch: int, dtype: torch.dtype, device: torch.device) -> Tenso
     return torch.as_tensor(value, dtype=dtype, device=device).expand(batch)
 
 
-def _sorted_nucleus(scores: Tensor, top_p, top_k) -> tuple[Tensor, Tensor, Tensor]:
-    """sorted probs [B, V] (float32), their ids, and the nucleus mask over the sorted order."""
+def _stable_top(probs: Tensor, k: int) -> Tensor:
+    """ids of the k largest probs [B, V] in stable descending order (ties: lower id first), via
+    topk on a unique int64 key (the float bits order non-negative floats) instead of a full sort."""
+    V = probs.shape[-1]
+    shift = V.bit_length()
+    key = (probs.view(torch.int32).long() << shift) | ((1 << shift) - 1 - torch.arange(V, device=probs.device))
+    return key.topk(k, dim=-1, sorted=True).indices
+
+
+def _sorted_nucleus(scores: Tensor, top_p, top_k, max_top_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Stably sorted probs [B, N] (float32), their ids and the nucleus mask over that order. N = V,
+    or max_top_k when every row's top_k is known to be within it (much cheaper than a sort)."""
     B, V = scores.shape
-    probs, ids = scores.float().softmax(-1).sort(dim=-1, descending=True, stable=True)
+    probs = scores.float().softmax(-1)
+    if max_top_k is None or max_top_k >= V:
+        probs, ids = probs.sort(dim=-1, descending=True, stable=True)
+    else:
+        ids = _stable_top(probs, max_top_k)
+        probs = probs.gather(1, ids)
     top_p = _param(top_p, B, torch.float64, scores.device).to(torch.float32)
     top_k = _param(top_k, B, torch.long, scores.device)
     top_k = torch.where(top_k < 1, V, top_k)
     # exclusive running sum; float64 then rounded, compared in float32 like upstream's float32 sum
     cum = probs.double().cumsum(-1)
     cum_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1).float()
-    rank = torch.arange(V, device=scores.device)
+    rank = torch.arange(probs.shape[1], device=scores.device)
     keep = (cum_before < top_p[:, None]) & (rank < top_k[:, None])
     keep[:, 0] = True
     return probs, ids, keep
@@ -95,19 +110,21 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
 
 
 def ras_sample_batch(scores: Tensor, history: Tensor, top_p=0.8, top_k=25, win_size=10, tau_r=0.1,
-                     generator: torch.Generator | None = None, uniforms: Tensor | None = None) -> Tensor:
+                     generator: torch.Generator | None = None, uniforms: Tensor | None = None,
+                     max_top_k: int | None = None) -> Tensor:
     """One RAS draw per row of scores [B, V] -> ids [B] (long).
 
     history [B, W]: each row's most recent decoded tokens, oldest first, right-aligned, -1 = empty.
     top_p/top_k/win_size/tau_r: scalars or [B] tensors (pass tau_r as float64 or Python float).
     uniforms [B, 2] float64 in [0, 1): the nucleus draw and the fallback draw; drawn from
-    `generator` when not given. No host sync, static shapes.
+    `generator` when not given. max_top_k: a bound on every row's top_k (1 <= top_k <= max_top_k)
+    that replaces the full sort by a top-k; same result. No host sync, static shapes.
     """
     B, V = scores.shape
     dev = scores.device
     if uniforms is None:
         uniforms = torch.rand(B, 2, dtype=torch.float64, device=dev, generator=generator)
-    probs, ids, keep = _sorted_nucleus(scores, top_p, top_k)
+    probs, ids, keep = _sorted_nucleus(scores, top_p, top_k, max_top_k)
     pick = ids.gather(1, _inverse_cdf(torch.where(keep, probs.double(), 0.0), uniforms[:, 0])[:, None])[:, 0]
 
     win = _param(win_size, B, torch.long, dev)

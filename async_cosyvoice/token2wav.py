@@ -22,7 +22,9 @@ state belongs to one request (upstream mutates a hop shared by all requests):
 - non-streaming: a single final call over all tokens; `speed` != 1 resamples its mel.
 - HiFT carries 8 mel frames, 3840 source and 3840 speech samples from chunk to chunk; each new
   chunk's first 3840 samples are cross-faded with the held-back tail (Hamming(7680) halves,
-  computed in float64) and every non-final chunk withholds its last 3840 samples.
+  computed in float64) and every non-final chunk withholds its last 3840 samples. A first chunk
+  shorter than the cache (first hop < 4 tokens, which upstream cannot run) is held back whole
+  and the next cross-fade is as long as what was held.
 """
 from __future__ import annotations
 
@@ -292,7 +294,7 @@ class Token2WavRunner:
                 continue
             mel = torch.cat([inputs[i][0] for i in idx])
             caches = [inputs[i][1] for i in idx]
-            noise = [jobs[i].stream.noise or NSFNoise() for i in idx]
+            noise = [NSFNoise() if jobs[i].stream.noise is None else jobs[i].stream.noise for i in idx]
             if len(idx) == 1:
                 speech, source = self.hift.inference(mel, caches[0], noise[0])
             else:

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 PROTO_NAME = "cosyvoice.proto"
+SERVICE_NAME = "cosyvoice.v1.CosyVoice"
 _PKG_DIR = Path(__file__).resolve().parent
 
 

@@ -19,7 +19,9 @@ from typing import AsyncIterable, AsyncIterator, Iterable, Sequence, Union
 import grpc
 import numpy as np
 
-from . import pb2, pb2_grpc
+from ._stubs import load as _load_stubs
+
+pb2, pb2_grpc = _load_stubs()
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 TOKEN_ENV = "ASYNC_COSYVOICE_TOKEN"

@@ -44,12 +44,13 @@ from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Ov
 from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speaker_id
 from async_cosyvoice.tts import Audio, Mode, SynthesisOptions, SynthesisRequest
 
-from . import SERVICE_NAME, pb2, pb2_grpc
+from ._stubs import SERVICE_NAME, load as _load_stubs
 from .metrics import Metrics
 
 if TYPE_CHECKING:
     from async_cosyvoice.tts import Synthesizer
 
+pb2, pb2_grpc = _load_stubs()
 log = logging.getLogger("grpc_async.server")
 
 NATIVE_SAMPLE_RATE = 24000
@@ -391,7 +392,10 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
     async def _fail(self, call: _Call, error: BaseException) -> None:
         """Turn an exception into a status (and re-raise what grpc must see)."""
         if isinstance(error, asyncio.CancelledError):
-            remaining = call.context.time_remaining()
+            try:
+                remaining = call.context.time_remaining()
+            except Exception:  # the call may already be torn down
+                remaining = None
             call.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             raise error
         if isinstance(error, grpc.aio.AbortError):
@@ -442,8 +446,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             raise InvalidRequest(f"options.speed must be in [{MIN_SPEED}, {MAX_SPEED}] "
                                  f"(leave it unset for 1.0), got {speed:g}")
         if speed != 1.0 and o.stream:
-            raise Unsupported("options.speed != 1 needs options.stream = false: speed is applied "
-                              "to the mel of a whole utterance")
+            raise InvalidRequest("options.speed != 1 needs options.stream = false: speed is applied "
+                                 "to the mel of a whole utterance")
         if o.encoding not in pb2.AudioEncoding.values():
             raise InvalidRequest(f"options.encoding {o.encoding} is not a known AudioEncoding "
                                  f"(PCM16 = 1, FLOAT32 = 2, WAV = 3)")

@@ -160,6 +160,25 @@ def test_batch_rows_are_independent_of_batch_composition():
         assert int(alone) == int(together[b])
 
 
+def test_bounded_top_k_path_equals_full_sort(ras):
+    """max_top_k swaps the stable sort for a top-k on a tie-breaking key: same draws, ties included."""
+    rows = [torch.from_numpy(ras[f"{c}/weighted_scores"]) for c in CASES]
+    tied = torch.zeros(6564)
+    tied[[7, 3, 4000, 12]] = 2.0  # exact ties among the top: stable order is 3, 7, 12, 4000
+    rows.append(tied)
+    scores = torch.stack(rows).repeat(50, 1)
+    B = scores.shape[0]
+    history = torch.randint(0, 6564, (B, 10), generator=torch.Generator().manual_seed(0))
+    history[:, -3:] = torch.tensor([3, 1624, 123])
+    u = torch.rand(B, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    top_k = torch.randint(1, 30, (B,), generator=torch.Generator().manual_seed(2))
+    full = ras_sample_batch(scores, history, top_k=top_k, uniforms=u)
+    bounded = ras_sample_batch(scores, history, top_k=top_k, uniforms=u, max_top_k=30)
+    assert torch.equal(full, bounded)
+    probs, ids, keep = __import__("async_cosyvoice.sampling", fromlist=["x"])._sorted_nucleus(tied[None], 0.99, 25, 8)
+    assert ids[0, :4].tolist() == [3, 7, 12, 4000]
+
+
 def test_golden_scores_log_probs_sum_to_one(ras):
     for case in CASES:
         scores, decoded = _case(ras, case)

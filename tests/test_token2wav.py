@@ -195,6 +195,14 @@ def test_every_token_is_rendered_once(P, first_hop, n):
         assert got[-1][2] is True and sum(1 for *_, f, _ in got if f) == 1
 
 
+@pytest.mark.parametrize("first_hop", [1, 2, 3])
+def test_first_chunk_shorter_than_the_hift_cache(hift, first_hop):
+    stream = Token2WavStream(torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, 80), torch.zeros(1, 192),
+                             schedule=ChunkSchedule(first_hop=first_hop), noise=NSFNoise.zero())
+    chunks = Token2WavRunner(FakeFlow(), hift).render(stream, list(range(40)))
+    assert len(chunks[0]) == 0 and sum(len(c) for c in chunks) == 40 * 960
+
+
 def test_waits_for_hop_plus_lookahead():
     stream = silent_stream(75, first_hop=15)
     tokens = list(range(40))

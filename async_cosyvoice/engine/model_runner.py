@@ -50,6 +50,8 @@ class ModelRunner:
     def __init__(self, model: CosyVoice2LM, config: RunnerConfig, seed: int | None = None):
         self.cfg = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
         n = config.max_num_seqs + 1  # + scratch
         self.scratch = config.max_num_seqs
@@ -72,6 +74,7 @@ class ModelRunner:
         else:
             self.generator.manual_seed(seed)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graph_pool = None
         self._graph_slots = torch.full((max(self._batch_buckets()),), self.scratch, dtype=torch.long,
                                        device=self.device)
         self._graph_uniforms = torch.zeros(len(self._graph_slots), 2, dtype=torch.float64, device=self.device)
@@ -86,6 +89,8 @@ class ModelRunner:
     def step(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
         """Run one planned step; returns (sequence, sampled id) for every decode row and every
         prefill row that completed its prompt. Called from the engine's single step thread."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the step thread is not the thread that built us
         out: list[tuple[Sequence, int]] = []
         if plan.decode:
             tokens = self._decode(plan.decode, plan.decode_kv_len)
@@ -158,9 +163,11 @@ class ModelRunner:
         return tokens.tolist()
 
     def _prompt_embeds(self, seq: Sequence) -> Tensor:
-        if seq.prompt_embeds is None:
-            seq.prompt_embeds = self.model.embed_prompt(seq.request.text_tokens, seq.request.prompt_speech_tokens)
-        return seq.prompt_embeds
+        embeds = seq.prompt_embeds
+        if embeds is None:
+            embeds = seq.prompt_embeds = self.model.embed_prompt(seq.request.text_tokens,
+                                                                 seq.request.prompt_speech_tokens)
+        return embeds
 
     def _init_slots(self, seqs: list[Sequence]) -> None:
         if not seqs:
@@ -202,6 +209,7 @@ class ModelRunner:
         shared memory pool is sized once. Without this, buckets are captured on first use."""
         if not self.use_graphs:
             return
+        torch.cuda.set_device(self.device)
         for kv_len in reversed(self._kv_buckets()):
             for batch in reversed(self._batch_buckets()):
                 self._capture(batch, kv_len)
@@ -213,8 +221,9 @@ class ModelRunner:
         self._decode_rows(slots, uniforms, kv_len)  # warm-up: kernels chosen, lazy buffers made
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
-        with torch.cuda.graph(graph, pool=pool):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             tokens = self._decode_rows(slots, uniforms, kv_len)
         torch.cuda.synchronize(self.device)
         self.graphs[(batch, kv_len)] = (graph, tokens)

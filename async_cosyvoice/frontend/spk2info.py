@@ -185,7 +185,8 @@ def _parse_peer(spk_id: str, e: Mapping) -> Spk2InfoEntry:
 
 def _array(value: Any, spk_id: str, name: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, (list, tuple)):

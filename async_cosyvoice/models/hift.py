@@ -14,9 +14,9 @@ The NSF source is numerically fragile (the phase reaches 1e3-1e4 rad in float32)
 keeps upstream's operation order exactly. Its random draws (initial harmonic phases and additive
 noise) are controlled by `NSFNoise`.
 
-Batches are exact when every item has the same number of mel frames; items padded to a common
-length differ from their unpadded run near the padded end (convolutions and interpolation see
-the padding).
+Batch items must have the same number of mel frames; a batched item then equals its own call up
+to float summation order (~1e-6). Items zero-padded to a common length would differ from their
+unpadded run near the padded end (convolutions and interpolation see the padding).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from .dims import HiFTDims
 # --------------------------------------------------------------------------- noise control
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class NSFNoise:
     """Where SineGen2's random draws come from.
 

@@ -67,7 +67,7 @@ class CausalConditionalCFM(nn.Module):
         spks2 = torch.cat([spks, torch.zeros_like(spks)])
         cond2 = torch.cat([cond, torch.zeros_like(cond)])
         if isinstance(streaming, Tensor):
-            streaming = torch.cat([streaming, streaming])
+            streaming = streaming.reshape(-1).expand(B).repeat(2)
         r = p.inference_cfg_rate
 
         t_span = time_grid(p.n_timesteps, p.t_scheduler, mu.device)

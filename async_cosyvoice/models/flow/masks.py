@@ -34,5 +34,5 @@ def attention_mask(valid: Tensor, chunk: int, streaming: bool | Tensor) -> Tenso
     keys = valid.unsqueeze(1).expand(B, T, T)
     if isinstance(streaming, bool):
         return keys & chunk_mask(T, chunk, valid.device) if streaming else keys
-    chunked = chunk_mask(T, chunk, valid.device).unsqueeze(0) | ~streaming.view(B, 1, 1).to(valid.device)
+    chunked = chunk_mask(T, chunk, valid.device).unsqueeze(0) | ~streaming.reshape(-1, 1, 1).to(valid.device)
     return keys & chunked

@@ -1,0 +1,178 @@
+"""The built-in speech-token engine: continuous batching over a slot KV cache, RAS on the device.
+
+One background asyncio task runs the step loop: it asks the scheduler for a plan (decode every
+running stream, fill the rest of the token budget with prompt chunks), runs the plan in a
+single executor thread (the event loop never waits on the model), then hands each sampled token
+to its request's queue. New requests join between steps; an abort frees the slot at once. Each
+request's `generate()` awaits its own queue: nobody polls, nobody sleeps.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+
+from ..errors import InvalidRequest, NotReady
+from ..models.dims import STOP_TOKENS
+from ..models.llm import CosyVoice2LM
+from .base import EngineStats, GenerationRequest
+from .model_runner import ModelRunner, RunnerConfig
+from .scheduler import Scheduler, StepPlan
+from .sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class NativeEngineConfig:
+    max_num_seqs: int = 64  # KV slots = most requests decoding at once
+    max_model_len: int = 4096  # prompt + output positions per slot
+    max_num_batched_tokens: int = 4096  # per step: decode rows + padded prefill rows x width
+    device: str = "cpu"
+    dtype: torch.dtype | str = torch.float32
+    cuda_graphs: bool = True  # CUDA only; decode steps replay captured graphs
+    capture_graphs_at_start: bool = True  # else each bucket is captured on first use
+    history_len: int = 32  # longest RAS win_size accepted
+    seed: int | None = None  # draws of requests without their own seed
+
+    def runner_config(self) -> RunnerConfig:
+        dtype = _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype
+        return RunnerConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                            device=self.device, dtype=dtype, cuda_graphs=self.cuda_graphs,
+                            history_len=self.history_len)
+
+
+class NativeEngine:
+    """`SpeechTokenEngine` on our own model code. Moves `model` to the configured device/dtype."""
+
+    def __init__(self, model: CosyVoice2LM, config: NativeEngineConfig = NativeEngineConfig()):
+        self.config = config
+        self.runner = ModelRunner(model, config.runner_config(), seed=config.seed)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        self.num_steps = 0
+        self._seqs: dict[str, Sequence] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._work: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------ SpeechTokenEngine
+
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="native-llm")
+        if self.config.capture_graphs_at_start:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.capture_graphs)
+        self._work = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._run(), name="native-llm-steps")
+
+    async def stop(self) -> None:
+        if self._loop_task is None:
+            return
+        task, self._loop_task = self._loop_task, None
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        executor, self._executor = self._executor, None
+        await asyncio.to_thread(executor.shutdown, wait=True)  # let an in-flight step finish
+        for seq in list(self._seqs.values()):
+            self._finish(seq, NotReady("the speech-token engine stopped"))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        seq = self._add(request)
+        try:
+            while True:
+                items = [await seq.outputs.get()]
+                while not seq.outputs.empty():
+                    items.append(seq.outputs.get_nowait())
+                tokens = [t for item in items if isinstance(item, list) for t in item]
+                if tokens:
+                    yield tokens
+                end = items[-1]
+                if isinstance(end, BaseException):
+                    raise end
+                if end is None:
+                    return
+        finally:
+            if seq.status is not SeqStatus.FINISHED:  # the consumer went away: abort
+                self._finish(seq)
+
+    async def abort(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           kv_usage=self.scheduler.usage())
+
+    # ------------------------------------------------------------------ internals
+
+    def _add(self, request: GenerationRequest) -> Sequence:
+        if self._loop_task is None:
+            raise NotReady("the speech-token engine is not started")
+        if request.request_id in self._seqs:
+            raise InvalidRequest(f"request id {request.request_id!r} is already running; ids must be unique")
+        seq = Sequence(request, asyncio.Queue())
+        if seq.prompt_len + request.max_tokens > self.config.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({seq.prompt_len} positions) + max_tokens ({request.max_tokens}) exceeds max_model_len "
+                f"({self.config.max_model_len}); shorten the text or prompt audio, or raise engine max_model_len")
+        if not 1 <= request.ras.win_size <= self.config.history_len:
+            raise InvalidRequest(f"RAS win_size must be in [1, {self.config.history_len}], got {request.ras.win_size}")
+        if request.seed is not None:
+            seq.generator = torch.Generator().manual_seed(request.seed)
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+        self._work.set()
+        return seq
+
+    def _finish(self, seq: Sequence, error: BaseException | None = None) -> None:
+        """The one place a request ends: done, aborted, failed or engine stopped."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        self.scheduler.release(seq)
+        del self._seqs[seq.request_id]
+        seq.outputs.put_nowait(error)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.scheduler.has_work():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            plan = self.scheduler.schedule()
+            if not plan:  # cannot happen with budget >= slots, but never spin
+                raise RuntimeError("scheduler returned an empty plan with work pending")
+            try:
+                sampled = await loop.run_in_executor(self._executor, self.runner.step, plan)
+            except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
+                log.exception("speech-token engine step failed")
+                for seq in plan.sequences:
+                    self._finish(seq, e)
+                continue
+            self.num_steps += 1
+            self._commit(plan, sampled)
+
+    def _commit(self, plan: StepPlan, sampled: list[tuple[Sequence, int]]) -> None:
+        for chunk in plan.prefill:
+            chunk.seq.num_cached = chunk.end
+        for seq, token in sampled:
+            if seq.status is SeqStatus.FINISHED:  # aborted while the step ran
+                continue
+            if token in STOP_TOKENS and not seq.request.ignore_stop_tokens:
+                self._finish(seq)
+                continue
+            seq.num_output += 1
+            seq.outputs.put_nowait([token])
+            if seq.num_output >= seq.request.max_tokens:
+                self._finish(seq)

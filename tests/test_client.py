@@ -1,0 +1,239 @@
+"""The async client library and the `async-cosyvoice client` CLI against a real server
+(fixture model, bearer auth on), plus TLS and graceful shutdown."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+
+from async_cosyvoice.config import Config
+from async_cosyvoice.speakers import SpeakerStore
+from grpc_async import pb2
+from grpc_async.client import CosyVoiceClient, client_main, collect, fix_wav_sizes
+from grpc_async.server import ServerThread, wav_header
+
+TOKEN = "test-token-123"
+PROMPT_TEXT = "The morning train was late again, so I walked along the river."
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    spk_dir = tmp_path_factory.mktemp("spk-client")
+    SpeakerStore(spk_dir).import_spk2info(tiny_dir / "spk2info.pt")
+    cfg = Config.model_validate({
+        "model": {"dir": str(tiny_dir)},
+        "speakers": {"dir": str(spk_dir)},
+        "server": {"port": 0, "auth_token": TOKEN},
+    })
+    with ServerThread(cfg, ready_timeout=900) as st:
+        yield st
+
+
+@pytest.fixture
+def cli(server, monkeypatch, capsys):
+    monkeypatch.delenv("ASYNC_COSYVOICE_TOKEN", raising=False)
+
+    def call(*args: str, token: str | None = TOKEN) -> tuple[int, str, str]:
+        argv = ["--target", server.target] + (["--token", token] if token else []) + list(args)
+        rc = client_main(argv)
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+    return call
+
+
+def test_cli_register_list_show_synthesize_delete(cli, golden_dir, tmp_path):
+    prompt = str(golden_dir / "prompt_24k.wav")
+    rc, out, err = cli("register", "--speaker", "cli-bob", "--prompt-wav", prompt, "--prompt-text", PROMPT_TEXT)
+    assert rc == 0, err
+    assert out.startswith("cli-bob\tzero_shot\t")
+
+    rc, out, _ = cli("speakers")
+    assert rc == 0 and "cli-bob\t" in out and "tiny_zs_spk\t" in out and "tiny_sft_spk\tsft" in out
+    rc, out, _ = cli("speakers", "show", "cli-bob")
+    assert rc == 0 and out.startswith("cli-bob\tzero_shot")
+
+    wav = tmp_path / "bob.wav"
+    rc, out, err = cli("synthesize", "--text", "Hello from the command line.", "--speaker", "cli-bob",
+                       "--seed", "1", "--out", str(wav))
+    assert rc == 0, err
+    assert "wrote" in out and "speech tokens" in out
+    audio, rate = sf.read(wav, dtype="float32")
+    info = sf.info(wav)
+    assert rate == 24000 and info.subtype == "PCM_16" and info.channels == 1
+    assert len(audio) > 0 and len(audio) % 960 == 0
+
+    wav16 = tmp_path / "bob16.wav"
+    rc, out, err = cli("synthesize", "--text", "Streaming this one.", "--speaker", "cli-bob", "--stream",
+                       "--sample-rate", "16000", "--seed", "2", "--out", str(wav16))
+    assert rc == 0, err
+    audio, rate = sf.read(wav16, dtype="float32")
+    assert rate == 16000 and len(audio) > 0 and len(audio) % 640 == 0
+
+    rc, out, err = cli("speakers", "rm", "cli-bob")
+    assert rc == 0 and "deleted cli-bob" in out
+    rc, out, err = cli("speakers", "show", "cli-bob")
+    assert rc == 1 and "NOT_FOUND" in err and "cli-bob" in err
+
+
+def test_cli_zero_shot_from_prompt_wav_and_sft(cli, golden_dir, tmp_path):
+    out_wav = tmp_path / "zs.wav"
+    rc, out, err = cli("synthesize", "--text", "Zero shot from a file.", "--prompt-wav",
+                       str(golden_dir / "prompt_16k.wav"), "--prompt-text", PROMPT_TEXT, "--out", str(out_wav))
+    assert rc == 0, err
+    assert sf.info(out_wav).samplerate == 24000 and sf.info(out_wav).frames % 960 == 0
+    rc, out, err = cli("synthesize", "--text", "Embedding only.", "--mode", "sft", "--speaker", "tiny_sft_spk",
+                       "--out", str(tmp_path / "sft.wav"))
+    assert rc == 0, err
+
+
+def test_cli_errors(cli, tmp_path):
+    rc, _, err = cli("speakers", token=None)
+    assert rc == 1 and "UNAUTHENTICATED" in err
+    rc, _, err = cli("speakers", token="wrong")
+    assert rc == 1 and "UNAUTHENTICATED" in err
+    rc, _, err = cli("register", "--speaker", "../evil", "--prompt-wav", str(tmp_path / "missing.wav"),
+                     "--prompt-text", "x")
+    assert rc == 1 and "missing.wav" in err
+    rc, _, err = cli("synthesize", "--text", "Hi.", "--speaker", "nobody", "--out", str(tmp_path / "x.wav"))
+    assert rc == 1 and "NOT_FOUND" in err
+    assert not (tmp_path / "x.wav").exists()
+
+
+def test_library_auth_and_health(server):
+    async def body():
+        async with CosyVoiceClient(server.target) as anonymous:
+            await anonymous.wait_ready(timeout=10)  # health needs no token
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await anonymous.list_speakers()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(anonymous.synthesize("Hi.", mode="sft", speaker_id="tiny_sft_spk"))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        async with CosyVoiceClient(server.target, token=TOKEN) as client:
+            page = await client.list_speakers(page_size=1)
+            assert len(page.speakers) == 1 and page.next_page_token
+            assert [s.speaker_id for s in await client.all_speakers(page_size=1)] == sorted(
+                s.speaker_id for s in await client.all_speakers())
+    run(body())
+
+
+def test_library_synthesize_and_stream_synthesize(server, golden_dir):
+    async def body():
+        async with CosyVoiceClient(server.target, token=TOKEN) as client:
+            pcm, rate = sf.read(golden_dir / "prompt_16k.wav", dtype="float32")
+            result = await collect(client.synthesize("Raw samples as the prompt.", prompt_audio=(pcm, rate),
+                                                     seed=4, encoding="pcm16"))
+            assert result.sample_rate == 24000 and len(result.audio) == 960 * result.summary.speech_tokens
+            streamed = await collect(client.stream_synthesize(
+                ["First sentence", " here. ", "Second", " one!"], speaker_id="tiny_zs_spk", stream=True, seed=4))
+            assert len(streamed.audio) == 960 * streamed.summary.speech_tokens
+            assert streamed.chunks > 1
+            wav = [c async for c in client.synthesize("Wave file.", mode="sft", speaker_id="tiny_sft_spk",
+                                                      stream=True, encoding="wav")]
+            data = b"".join(c.audio for c in wav)
+            fixed = fix_wav_sizes(data)
+            assert int.from_bytes(fixed[40:44], "little") == len(data) - 44
+    run(body())
+
+
+def test_fix_wav_sizes():
+    body = np.arange(10, dtype="<i2").tobytes()
+    fixed = fix_wav_sizes(wav_header(None, 16000) + body)
+    assert fixed == wav_header(10, 16000) + body
+
+
+# ---- TLS (no model needed: a server that is still loading answers UNAVAILABLE over TLS) ------
+
+
+def _self_signed(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return tmp_path / "cert.pem", tmp_path / "key.pem"
+
+
+async def _never_ready(config):
+    await asyncio.Event().wait()
+
+
+def test_tls(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    cfg = Config.model_validate({"server": {"host": "localhost", "port": 0, "tls_cert": str(cert),
+                                            "tls_key": str(key)},
+                                 "speakers": {"dir": str(tmp_path / "spk")}})
+    with ServerThread(cfg, ready_timeout=None, synthesizer_factory=_never_ready) as st:
+        async def body():
+            async with CosyVoiceClient(st.target, tls=cert) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await client.list_speakers(timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+            async with CosyVoiceClient(st.target) as plaintext:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await plaintext.list_speakers(timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "loading" not in (e.value.details() or "")
+        run(body())
+
+
+# ---- graceful shutdown ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_graceful_shutdown_drains_in_flight_streams(tiny_dir, tmp_path):
+    cfg = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path)},
+                                 "server": {"port": 0, "grace_seconds": 60}})
+    SpeakerStore(tmp_path).import_spk2info(tiny_dir / "spk2info.pt")
+    st = ServerThread(cfg, ready_timeout=900)
+    try:
+        async def body():
+            async with CosyVoiceClient(st.target) as client:
+                chunks = []
+                stopping = None
+                async for chunk in client.synthesize("One sentence. " * 6, speaker_id="tiny_zs_spk",
+                                                     stream=True, seed=1):
+                    chunks.append(chunk)
+                    if stopping is None:  # first chunk: start shutting down under the stream
+                        loop = asyncio.get_running_loop()
+                        stopping = loop.run_in_executor(None, lambda: st.call(st.server.stop()))
+                        for _ in range(100):
+                            if st.server.servicer.closing:
+                                break
+                            await asyncio.sleep(0.02)
+                        async with CosyVoiceClient(st.target) as late:
+                            with pytest.raises(grpc.aio.AioRpcError) as e:
+                                await collect(late.synthesize("Too late.", mode="sft", speaker_id="tiny_sft_spk"))
+                            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                await stopping
+                return chunks
+
+        chunks = run(body())
+        assert chunks[-1].is_final and [c.index for c in chunks] == list(range(len(chunks)))
+        assert sum(c.num_samples for c in chunks) == 960 * chunks[-1].summary.speech_tokens
+    finally:
+        st.close()
