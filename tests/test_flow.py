@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import copy
-import re
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
-from async_cosyvoice.models.dims import CFMParams, EncoderDims, EstimatorDims, FlowDims
+from async_cosyvoice.model_dir import load_model_dir
+from async_cosyvoice.models.dims import FlowDims
 from async_cosyvoice.models.flow.cfm import fixed_noise
 from async_cosyvoice.models.flow.flow import Flow
 
@@ -21,74 +20,7 @@ TRACED = ["encoder_out", "mu", "spks", "cond", "mask", "est_step1_out", "est_ste
 E2E_RUNS = ["e2e_nonstream", "e2e_stream_hop25", "e2e_stream_hop15", "e2e_stream_hop25_p16"]
 
 
-# ---- dims: from model_dir once it exists, else read from the yaml here --------------------------
-
-class _TagLoader(yaml.SafeLoader):
-    pass
-
-
-def _tagged(loader, tag, node):
-    if isinstance(node, yaml.MappingNode):
-        return loader.construct_mapping(node, deep=True)
-    if isinstance(node, yaml.SequenceNode):
-        return loader.construct_sequence(node, deep=True)
-    value = loader.construct_scalar(node)
-    return ("ref", value) if tag == "ref" else value
-
-
-_TagLoader.add_multi_constructor("!", lambda loader, suffix, node: _tagged(loader, suffix.split(":")[0], node))
-
-
-def _resolve(value, top: dict):
-    if isinstance(value, tuple) and value[0] == "ref":  # "<a> * <b>" arithmetic over top-level keys
-        return eval(re.sub(r"<(\w+)>", lambda m: repr(top[m.group(1)]), value[1]), {})
-    return value
-
-
-def _flow_dims_from_yaml(path) -> FlowDims:
-    top = yaml.load(path.read_text(), Loader=_TagLoader)
-    flow = {k: _resolve(v, top) for k, v in top["flow"].items()}
-    enc = {k: _resolve(v, top) for k, v in flow["encoder"].items()}
-    est = {k: _resolve(v, top) for k, v in flow["decoder"]["estimator"].items()}
-    cfm = flow["decoder"]["cfm_params"]["content"]
-    return FlowDims(
-        input_size=flow["input_size"],
-        output_size=flow["output_size"],
-        spk_embed_dim=flow["spk_embed_dim"],
-        vocab_size=flow["vocab_size"],
-        token_mel_ratio=flow["token_mel_ratio"],
-        pre_lookahead_len=flow["pre_lookahead_len"],
-        input_frame_rate=flow["input_frame_rate"],
-        encoder=EncoderDims(
-            input_size=enc["input_size"],
-            output_size=enc["output_size"],
-            attention_heads=enc["attention_heads"],
-            linear_units=enc["linear_units"],
-            num_blocks=enc["num_blocks"],
-            static_chunk_size=enc["static_chunk_size"],
-            pre_lookahead_len=flow["pre_lookahead_len"],
-            upsample_stride=flow["token_mel_ratio"],
-        ),
-        estimator=EstimatorDims(
-            in_channels=est["in_channels"],
-            out_channels=est["out_channels"],
-            channels=tuple(est["channels"]),
-            attention_head_dim=est["attention_head_dim"],
-            n_blocks=est["n_blocks"],
-            num_mid_blocks=est["num_mid_blocks"],
-            num_heads=est["num_heads"],
-            act_fn=est["act_fn"],
-            static_chunk_size=est["static_chunk_size"],
-        ),
-        cfm=CFMParams(t_scheduler=cfm["t_scheduler"], inference_cfg_rate=float(cfm["inference_cfg_rate"])),
-    )
-
-
 def flow_dims(tiny_dir) -> FlowDims:
-    try:
-        from async_cosyvoice.model_dir import load_model_dir
-    except ImportError:
-        return _flow_dims_from_yaml(tiny_dir / "cosyvoice2.yaml")
     return load_model_dir(tiny_dir).dims.flow
 
 

@@ -5,8 +5,8 @@ import torch
 from scipy.stats import chisquare
 
 from async_cosyvoice.models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
-from async_cosyvoice.sampling import (SuppressEOSBeforeMinLen, SuppressStopTokens, nucleus, ras_log_probs,
-                                      ras_sample, ras_sample_batch, suppress_batch)
+from async_cosyvoice.sampling import (SuppressEOSBeforeMinLen, SuppressStopTokens, _sorted_nucleus, nucleus,
+                                      ras_log_probs, ras_sample, ras_sample_batch, suppress_batch)
 
 CASES = ["llm_step0_no_history", "llm_step0_argmax_in_history", "peaked_no_history", "peaked_top_in_history",
          "peaked_top_outside_window", "flat_topk_limited"]
@@ -175,7 +175,7 @@ def test_bounded_top_k_path_equals_full_sort(ras):
     full = ras_sample_batch(scores, history, top_k=top_k, uniforms=u)
     bounded = ras_sample_batch(scores, history, top_k=top_k, uniforms=u, max_top_k=30)
     assert torch.equal(full, bounded)
-    probs, ids, keep = __import__("async_cosyvoice.sampling", fromlist=["x"])._sorted_nucleus(tied[None], 0.99, 25, 8)
+    _, ids, _ = _sorted_nucleus(tied[None], 0.99, 25, max_top_k=8)
     assert ids[0, :4].tolist() == [3, 7, 12, 4000]
 
 

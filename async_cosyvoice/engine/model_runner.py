@@ -42,6 +42,7 @@ class RunnerConfig:
     dtype: torch.dtype = torch.float32
     cuda_graphs: bool = True
     history_len: int = 32  # longest RAS window a request may ask for
+    max_top_k: int = 100  # largest RAS top_k a request may ask for (a top-k instead of a full sort)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     min_graph_kv_len: int = 256  # attention-length buckets: powers of two from here to max_model_len
 
@@ -133,7 +134,8 @@ class ModelRunner:
         logp = self.model.logits(hidden).float().log_softmax(-1)  # upstream samples from log-probs
         suppress_batch(logp, self.num_out[slots], self.min_tokens[slots], self.ignore_stop[slots])
         tokens = ras_sample_batch(logp, self.history[slots], self.top_p[slots], self.top_k[slots],
-                                  self.win_size[slots], self.tau_r[slots], uniforms=uniforms)
+                                  self.win_size[slots], self.tau_r[slots], uniforms=uniforms,
+                                  max_top_k=self.cfg.max_top_k)
         self.history[slots] = torch.cat([self.history[slots][:, 1:], tokens[:, None]], dim=1)
         self.last_token[slots] = tokens
         self.num_out[slots] += 1

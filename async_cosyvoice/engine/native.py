@@ -39,13 +39,14 @@ class NativeEngineConfig:
     cuda_graphs: bool = True  # CUDA only; decode steps replay captured graphs
     capture_graphs_at_start: bool = True  # else each bucket is captured on first use
     history_len: int = 32  # longest RAS win_size accepted
+    max_top_k: int = 100  # largest RAS top_k accepted
     seed: int | None = None  # draws of requests without their own seed
 
     def runner_config(self) -> RunnerConfig:
         dtype = _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype
         return RunnerConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                             device=self.device, dtype=dtype, cuda_graphs=self.cuda_graphs,
-                            history_len=self.history_len)
+                            history_len=self.history_len, max_top_k=self.max_top_k)
 
 
 class NativeEngine:
@@ -128,6 +129,8 @@ class NativeEngine:
                 f"({self.config.max_model_len}); shorten the text or prompt audio, or raise engine max_model_len")
         if not 1 <= request.ras.win_size <= self.config.history_len:
             raise InvalidRequest(f"RAS win_size must be in [1, {self.config.history_len}], got {request.ras.win_size}")
+        if not 1 <= request.ras.top_k <= self.config.max_top_k:
+            raise InvalidRequest(f"RAS top_k must be in [1, {self.config.max_top_k}], got {request.ras.top_k}")
         if request.seed is not None:
             seq.generator = torch.Generator().manual_seed(request.seed)
         self._seqs[request.request_id] = seq

@@ -84,7 +84,7 @@ PRESETS: dict[str, Preset] = {
 # init kinds: ("normal", std) | ("norm_w",) | ("norm_b",) | ("alpha",) | ("wn_g", v_key) | ("const", value, std)
 Spec = tuple[str, tuple[int, ...], tuple]
 STD = 0.02
-HIFT_STD = 0.01
+HIFT_GAIN = 1.0
 
 
 def _linear(prefix: str, out_f: int, in_f: int, bias: bool = True, std: float = STD) -> list[Spec]:
@@ -198,9 +198,11 @@ def flow_specs(f: FlowDims) -> list[Spec]:
     return specs
 
 
-def _wn(prefix: str, g_rows: int, v_shape: tuple[int, ...], bias_c: int, std: float = HIFT_STD,
+def _wn(prefix: str, g_rows: int, v_shape: tuple[int, ...], bias_c: int, std: float | None = None,
         bias_init: tuple = ("normal", STD)) -> list[Spec]:
-    """A weight-normed conv as upstream saves it: bias, then g (original0), then v (original1)."""
+    """A weight-normed conv as upstream saves it: bias, then g (original0), then v (original1).
+    v ~ N(0, std), by default 1/sqrt(fan_in) so the vocoder's signal keeps its scale layer to layer."""
+    std = HIFT_GAIN / math.sqrt(v_shape[1] * v_shape[2]) if std is None else std
     v_key = f"{prefix}.parametrizations.weight.original1"
     return [(f"{prefix}.bias", (bias_c,), bias_init),
             (f"{prefix}.parametrizations.weight.original0", (g_rows, 1, 1), ("wn_g", v_key)),
@@ -224,7 +226,8 @@ def hift_specs(h: HiFTDims, f0_hz: float = 150.0, magnitude: float = 0.05) -> li
     specs += _wn("conv_pre", h.base_channels, (h.base_channels, h.in_channels, 7), h.base_channels)
     for i, (u, k) in enumerate(zip(h.upsample_rates, h.upsample_kernel_sizes)):
         c_in, c_out = h.base_channels // 2 ** i, h.base_channels // 2 ** (i + 1)
-        specs += _wn(f"ups.{i}", c_in, (c_in, c_out, k), c_out)  # ConvTranspose1d: g per input channel
+        specs += _wn(f"ups.{i}", c_in, (c_in, c_out, k), c_out,  # ConvTranspose1d: g per input channel
+                     std=HIFT_GAIN / math.sqrt(c_in * k / u))
     down_rates = [1, *h.upsample_rates[::-1][:-1]]
     cum = np.cumprod(down_rates).tolist()
     for i, u in enumerate(cum[::-1]):
@@ -243,7 +246,7 @@ def hift_specs(h: HiFTDims, f0_hz: float = 150.0, magnitude: float = 0.05) -> li
     c = h.f0_cond_channels
     for i in range(5):
         c_in = h.f0_in_channels if i == 0 else c
-        specs += _wn(f"f0_predictor.condnet.{2 * i}", c, (c, c_in, 3), c, std=1.0 / math.sqrt(3 * c_in))
+        specs += _wn(f"f0_predictor.condnet.{2 * i}", c, (c, c_in, 3), c)
     specs += _linear("f0_predictor.classifier", h.f0_num_class, c, std=20.0 / math.sqrt(c))
     specs[-1] = (specs[-1][0], specs[-1][1], ("const", f0_hz, 1.0))
     return specs
