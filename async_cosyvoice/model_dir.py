@@ -482,11 +482,14 @@ def fold_weight_norm(state_dict: Mapping[str, torch.Tensor], file: str = HIFT_FI
         for suffix, (part, convention) in _WN_SUFFIXES.items():
             if key.endswith(suffix):
                 layer = key[: -len(suffix)]
+                if layer not in pairs:
+                    if f"{layer}.weight" in out:
+                        raise ModelDirError(file, f"{layer}.weight is present both plain and weight-normed")
+                    out[f"{layer}.weight"] = None  # placeholder keeps the position
                 entry = pairs.setdefault(layer, {"convention": convention})
                 if entry["convention"] != convention or part in entry:
                     raise ModelDirError(file, f"{layer}: weight norm stored twice ({key})")
                 entry[part] = value
-                out.setdefault(f"{layer}.weight", layer)  # placeholder keeps the position
                 break
         else:
             if key in out:
@@ -512,7 +515,8 @@ def load_state_dict_file(path: Path, file: str) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
-        raise ModelDirError(file, f"not a torch state dict ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        first_line = (str(e).splitlines() or [""])[0]
+        raise ModelDirError(file, f"not a torch state dict ({type(e).__name__}: {first_line})") from e
     if not isinstance(obj, Mapping):
         raise ModelDirError(file, f"not a torch state dict (got {type(obj).__name__})")
     bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]

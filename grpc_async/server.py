@@ -308,10 +308,11 @@ class _Call:
         return None if self.first_chunk_at is None else self.first_chunk_at - self.clock_start
 
     def summary(self, audio_seconds: float) -> pb2.SynthesisSummary:
-        total = self.elapsed()
+        now = time.perf_counter()
+        total = now - self.start
         first = self.first_chunk_latency
-        if first is None:  # the summary rides on the first chunk with audio (non-stream WAV)
-            first = time.perf_counter() - self.clock_start
+        if first is None:  # the summary rides on the first chunk with audio (non-stream)
+            first = now - self.clock_start
         return pb2.SynthesisSummary(
             request_id=self.request_id, speech_tokens=self.tokens, audio_seconds=audio_seconds,
             first_chunk_latency_seconds=first, total_seconds=total,

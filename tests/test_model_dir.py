@@ -138,7 +138,8 @@ def test_llm_state_dict(md, tiny_dir):
     assert not any(k.startswith("llm.") for k in sd)
     for k in ("llm_embedding.weight", "speech_embedding.weight", "llm_decoder.weight", "llm_decoder.bias"):
         assert torch.equal(sd[k], raw[k])
-    assert torch.equal(sd["backbone.layers.1.mlp.down_proj.weight"], raw["llm.model.model.layers.1.mlp.down_proj.weight"])
+    key = "layers.1.mlp.down_proj.weight"
+    assert torch.equal(sd[f"backbone.{key}"], raw[f"llm.model.model.{key}"])
     assert torch.equal(sd["backbone.norm.weight"], raw["llm.model.model.norm.weight"])
     assert sd["speech_embedding.weight"].shape == (6564, 64)
 
@@ -185,6 +186,13 @@ def test_fold_weight_norm_errors():
         fold_weight_norm({"conv.weight_v": v})
     with pytest.raises(ModelDirError, match=r"g \(3, 1, 1\) does not match v \(4, 3, 5\)"):
         fold_weight_norm({"conv.weight_g": torch.ones(3, 1, 1), "conv.weight_v": v})
+    g = torch.ones(4, 1, 1)
+    for sd in ({"conv.weight": v, "conv.weight_g": g, "conv.weight_v": v},
+               {"conv.weight_g": g, "conv.weight_v": v, "conv.weight": v}):
+        with pytest.raises(ModelDirError, match=r"conv.weight is present both plain and weight-normed"):
+            fold_weight_norm(sd)
+    with pytest.raises(ModelDirError, match=r"conv: weight norm stored twice"):
+        fold_weight_norm({"conv.weight_g": g, "conv.parametrizations.weight.original0": g})
 
 
 # ------------------------------------------------------------------ error cases on copies of the fixture

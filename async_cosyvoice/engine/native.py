@@ -118,8 +118,8 @@ class NativeEngine:
     # ------------------------------------------------------------------ internals
 
     def _add(self, request: GenerationRequest) -> Sequence:
-        if self._loop_task is None:
-            raise NotReady("the speech-token engine is not started")
+        if self._loop_task is None or self._loop_task.done():
+            raise NotReady("the speech-token engine is not running (not started, stopped or failed)")
         if request.request_id in self._seqs:
             raise InvalidRequest(f"request id {request.request_id!r} is already running; ids must be unique")
         seq = Sequence(request, asyncio.Queue())
@@ -147,6 +147,15 @@ class NativeEngine:
         seq.outputs.put_nowait(error)
 
     async def _run(self) -> None:
+        try:
+            await self._step_loop()
+        except Exception as e:  # a bug in the loop itself: nobody may wait forever
+            log.exception("speech-token engine loop died")
+            for seq in list(self._seqs.values()):
+                self._finish(seq, e)
+            raise
+
+    async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not self.scheduler.has_work():

@@ -29,7 +29,6 @@ from ..models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
 from ..sampling import ras_log_probs
 
 EXTRA_ARGS_KEY = "cosyvoice_ras"
-PROCESSOR_PATH = "async_cosyvoice.engine.ras_processor:RASLogitsProcessor"
 _EPS = 1e-6
 _STOP_IDS = list(STOP_TOKENS)
 

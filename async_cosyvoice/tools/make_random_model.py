@@ -11,9 +11,11 @@ offline on a small built-in corpus; no model.safetensors).
 Presets: `tiny` has the dims of the shared `cosyvoice2-tiny` fixture; `cosyvoice2-0.5b` the official dims
 (~2.5 GB of fp32 weights, written one file at a time). Weights come from `torch.Generator(seed)` on CPU:
 linears/embeddings N(0, 0.02), norms ~1, snake alpha ~1, weight-norm g = ||v|| so that the folded weight
-is v. Three biases are set so a demo behaves like a TTS model rather than pure chance: the LM's EOS logit
-is raised (generation ends some tokens after min_len), the F0 predictor outputs ~150 Hz (voiced source)
-and HiFT's log-magnitude channels start at log(0.05) (quiet output).
+is v; HiFT's convs are fan-in scaled instead (ResBlock branches smaller). Four biases are set so a
+demo behaves like a TTS model rather than pure chance: the LM's EOS logit is raised (generation ends
+some tokens after min_len), the flow's mels sit near -5 (a natural log-mel level), the F0 predictor
+outputs ~150 Hz (voiced source) and HiFT's log-magnitude channels start at log(0.05): the demo speaks
+quiet noise (around -40 dBFS), finite and unclipped.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from async_cosyvoice.models.dims import (
     ModelDims, Qwen2Dims,
 )
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 BASE_SPECIALS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")  # in BlankEN's tokenizer_config.json
 
 
@@ -50,8 +52,9 @@ class Preset:
     campplus_hidden: int
     s3tok_hidden: int
     eos_logit_boost: float = 4.0  # in units of the llm_decoder logit std
-    f0_hz: float = 150.0
-    magnitude: float = 0.05
+    f0_hz: float = 150.0  # HiFT F0 predictor output (voiced source)
+    magnitude: float = 0.05  # HiFT initial STFT magnitude
+    mel_mean: float = -5.0  # level of the flow's mels (a natural log-mel level)
 
 
 def _tiny_dims() -> ModelDims:
@@ -81,10 +84,13 @@ PRESETS: dict[str, Preset] = {
 # Parameter layouts (official key names, order and shapes)
 # ---------------------------------------------------------------------------------------------------
 
-# init kinds: ("normal", std) | ("norm_w",) | ("norm_b",) | ("alpha",) | ("wn_g", v_key) | ("const", value, std)
+# A spec is (key, shape, init); init kinds: ("normal", std) | ("norm_w",) | ("norm_b",) | ("alpha",) |
+# ("const", mean, std) | ("const_split", n_rows, value, std) | ("wn_g", v_key) | ("tied", other_key)
 Spec = tuple[str, tuple[int, ...], tuple]
 STD = 0.02
 HIFT_GAIN = 1.0
+HIFT_RES_GAIN = 0.3  # residual branches of the ResBlocks start small
+HIFT_POST_GAIN = 0.5  # log-magnitude and phase channels vary by ~1 around their bias
 
 
 def _linear(prefix: str, out_f: int, in_f: int, bias: bool = True, std: float = STD) -> list[Spec]:
@@ -154,18 +160,20 @@ def _transformer(p: str, ch: int, est: EstimatorDims) -> list[Spec]:
             + _linear(f"{p}.ff.net.2", ch, 4 * ch))
 
 
-def flow_specs(f: FlowDims) -> list[Spec]:
+def flow_specs(f: FlowDims, mel_mean: float = 0.0) -> list[Spec]:
     e, est = f.encoder, f.estimator
     specs: list[Spec] = [("input_embedding.weight", (f.vocab_size, f.input_size), ("normal", STD))]
     specs += _linear("spk_embed_affine_layer", f.output_size, f.spk_embed_dim)
-    specs += _linear("encoder.embed.out.0", e.output_size, e.input_size) + _norm("encoder.embed.out.1", e.output_size)
+    specs += _linear("encoder.embed.out.0", e.output_size, e.input_size)
+    specs += _norm("encoder.embed.out.1", e.output_size)
     specs += _norm("encoder.after_norm", e.output_size)
     specs += _conv("encoder.pre_lookahead_layer.conv1", e.output_size, e.output_size, e.pre_lookahead_len + 1)
     specs += _conv("encoder.pre_lookahead_layer.conv2", e.output_size, e.output_size, 3)
     for i in range(e.num_blocks):
         specs += _conformer_layer(f"encoder.encoders.{i}", e)
     specs += _conv("encoder.up_layer.conv", e.output_size, e.output_size, 2 * e.upsample_stride + 1)
-    specs += _linear("encoder.up_embed.out.0", e.output_size, e.input_size) + _norm("encoder.up_embed.out.1", e.output_size)
+    specs += _linear("encoder.up_embed.out.0", e.output_size, e.input_size)
+    specs += _norm("encoder.up_embed.out.1", e.output_size)
     for i in range(e.num_up_blocks):
         specs += _conformer_layer(f"encoder.up_encoders.{i}", e)
     specs += _linear("encoder_proj", f.output_size, e.output_size)
@@ -195,6 +203,8 @@ def flow_specs(f: FlowDims) -> list[Spec]:
         specs += _conv(f"{p}.up_blocks.{i}.2" + ("" if last else ".conv"), out_c, out_c, 3 if last else 4)
     specs += _conv(f"{p}.final_block.block.0", up[-1], up[-1], 3) + _norm(f"{p}.final_block.block.2", up[-1])
     specs += _conv(f"{p}.final_proj", est.out_channels, up[-1], 1)
+    # the estimator's velocity starts at `mel_mean`, so the ODE carries N(0, 1) noise to mels at that level
+    specs[-1] = (specs[-1][0], specs[-1][1], ("const", mel_mean, STD))
     return specs
 
 
@@ -213,7 +223,7 @@ def _hift_resblock(p: str, ch: int, k: int, dilations: tuple[int, ...]) -> list[
     specs: list[Spec] = []
     for name in ("convs1", "convs2"):
         for j in range(len(dilations)):
-            specs += _wn(f"{p}.{name}.{j}", ch, (ch, ch, k), ch)
+            specs += _wn(f"{p}.{name}.{j}", ch, (ch, ch, k), ch, std=HIFT_RES_GAIN / math.sqrt(ch * k))
     for name in ("activations1", "activations2"):
         for j in range(len(dilations)):
             specs.append((f"{p}.{name}.{j}.alpha", (ch,), ("alpha",)))
@@ -242,7 +252,8 @@ def hift_specs(h: HiFTDims, f0_hz: float = 150.0, magnitude: float = 0.05) -> li
             specs += _hift_resblock(f"resblocks.{i * n_k + j}", ch, k, d)
     ch_last = h.base_channels // 2 ** len(h.upsample_rates)
     post_bias = ("const_split", n_bins, math.log(magnitude), STD)
-    specs += _wn("conv_post", n_bins * 2, (n_bins * 2, ch_last, 7), n_bins * 2, bias_init=post_bias)
+    specs += _wn("conv_post", n_bins * 2, (n_bins * 2, ch_last, 7), n_bins * 2, bias_init=post_bias,
+                 std=HIFT_POST_GAIN / math.sqrt(ch_last * 7))
     c = h.f0_cond_channels
     for i in range(5):
         c_in = h.f0_in_channels if i == 0 else c
@@ -320,16 +331,24 @@ def _list(xs) -> str:
 def recipe_yaml(d: ModelDims) -> str:
     """A `cosyvoice2.yaml` with the official structure and tags, holding the dims `d`."""
     f, e, est, cfm, h, m = d.flow, d.flow.encoder, d.flow.estimator, d.flow.cfm, d.hift, d.feat
+
     def ref_or(value, name, expected):
         return f"!ref <{name}>" if value == expected else _num(value)
-    est_chunk = ("!ref <chunk_size> * <token_mel_ratio>" if est.static_chunk_size == d.chunk_size * d.token_mel_ratio
-                 else _num(est.static_chunk_size))
-    extra_enc = "".join(f"        {k}: {_num(getattr(e, k))}\n" for k in ("num_up_blocks", "pre_lookahead_len", "upsample_stride")
-                        if getattr(e, k) != getattr(EncoderDims(), k) and not (k == "pre_lookahead_len" and e.pre_lookahead_len == f.pre_lookahead_len))
-    lm_extra = "".join(f"    {k}: {_num(getattr(d.lm, k))}\n" for k in ("min_token_text_ratio", "max_token_text_ratio")
-                       if getattr(d.lm, k) != getattr(LMDims(), k))
-    cfm_extra = "".join(f"                {k}: {_num(getattr(cfm, k))}\n" for k in ("n_timesteps", "noise_frames")
-                        if getattr(cfm, k) != getattr(type(cfm)(), k))
+
+    def extra(indent: int, values: dict) -> str:
+        """Keys upstream hard-codes: written only when they differ from what the parser assumes."""
+        return "".join(f"{' ' * indent}{k}: {_num(v)}\n" for k, (v, default) in values.items() if v != default)
+
+    est_chunk = ("!ref <chunk_size> * <token_mel_ratio>"
+                 if est.static_chunk_size == d.chunk_size * d.token_mel_ratio else _num(est.static_chunk_size))
+    enc0, lm0, cfm0 = EncoderDims(), LMDims(), type(cfm)()
+    extra_enc = extra(8, {"num_up_blocks": (e.num_up_blocks, enc0.num_up_blocks),
+                          "pre_lookahead_len": (e.pre_lookahead_len, f.pre_lookahead_len),
+                          "upsample_stride": (e.upsample_stride, enc0.upsample_stride)})
+    lm_extra = extra(4, {"min_token_text_ratio": (d.lm.min_token_text_ratio, lm0.min_token_text_ratio),
+                         "max_token_text_ratio": (d.lm.max_token_text_ratio, lm0.max_token_text_ratio)})
+    cfm_extra = extra(16, {"n_timesteps": (cfm.n_timesteps, cfm0.n_timesteps),
+                           "noise_frames": (cfm.noise_frames, cfm0.noise_frames)})
     return f"""# set random seed, so that you may reproduce your result.
 __set_seed1: !apply:random.seed [1986]
 __set_seed2: !apply:numpy.random.seed [1986]
@@ -797,13 +816,18 @@ def _provenance(preset: Preset, seed: int) -> dict:
             "random_model": {"preset": preset.name, "seed": seed, "generator_version": GENERATOR_VERSION}}
 
 
-def is_random_model(out: str | Path, preset: str, seed: int) -> bool:
-    """True when `out` is a complete directory written by this tool for (preset, seed)."""
+def _written_by_us(out: Path) -> dict | None:
     try:
-        info = json.loads((Path(out) / "configuration.json").read_text(encoding="utf-8"))
+        info = json.loads((out / "configuration.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return info.get("random_model") == _provenance(PRESETS[preset], seed)["random_model"]
+        return None
+    rm = info.get("random_model") if isinstance(info, dict) else None
+    return rm if isinstance(rm, dict) else None
+
+
+def is_random_model(out: str | Path, preset: str, seed: int) -> bool:
+    """True when `out` is a complete directory written by this version of the tool for (preset, seed)."""
+    return _written_by_us(Path(out)) == _provenance(PRESETS[preset], seed)["random_model"]
 
 
 def _write(tmp: Path, preset: Preset, seed: int) -> None:
@@ -814,7 +838,7 @@ def _write(tmp: Path, preset: Preset, seed: int) -> None:
     sd = llm_state_dict(preset, gen)
     torch.save(sd, tmp / "llm.pt")
     del sd
-    sd = random_state_dict(flow_specs(d.flow), gen)
+    sd = random_state_dict(flow_specs(d.flow, preset.mel_mean), gen)
     torch.save(sd, tmp / "flow.pt")
     del sd
     torch.save(random_state_dict(hift_specs(d.hift, preset.f0_hz, preset.magnitude), gen), tmp / "hift.pt")
@@ -828,21 +852,27 @@ def make_random_model(preset: str, out: str | Path, seed: int = 0, overwrite: bo
     """Write a random official-format CosyVoice2 directory to `out` and return its path.
 
     The directory is built next to `out` and renamed into place, so a concurrent reader never sees a
-    partial one. If `out` already holds this (preset, seed) it is reused unless `overwrite`; any other
-    existing `out` raises FileExistsError unless `overwrite`."""
+    partial one. If `out` already holds this (preset, seed) it is reused unless `overwrite`; one written
+    for the same (preset, seed) by an older version of this tool is regenerated; any other existing
+    `out` raises FileExistsError unless `overwrite`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     out = Path(out).expanduser().resolve()
     if out.exists() and not overwrite:
         if is_random_model(out, preset, seed):
             return out
-        raise FileExistsError(f"{out} exists and is not a {preset}/seed {seed} random model (pass overwrite)")
+        ours = _written_by_us(out)
+        if not (ours and ours.get("preset") == preset and ours.get("seed") == seed):
+            raise FileExistsError(f"{out} exists and is not a {preset}/seed {seed} random model (pass overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         _write(tmp, PRESETS[preset], seed)
         os.chmod(tmp, 0o755)
         if out.exists():
+            if not overwrite and is_random_model(out, preset, seed):  # a concurrent writer finished first
+                shutil.rmtree(tmp, ignore_errors=True)
+                return out
             shutil.rmtree(out)
         try:
             tmp.rename(out)

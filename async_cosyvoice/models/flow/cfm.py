@@ -56,7 +56,7 @@ class CausalConditionalCFM(nn.Module):
         unconditional half with mu, spks and cond zeroed.
         """
         p = self.params
-        estimator = estimator or self.estimator
+        estimator = self.estimator if estimator is None else estimator
         B, C, T = mu.shape
         if T > p.noise_frames:
             raise ValueError(f"{T} mel frames (prompt + target) exceed the {p.noise_frames} frames of flow noise")

