@@ -55,7 +55,9 @@ class CausalBlock1D(nn.Module):
 
     def __init__(self, dim: int, dim_out: int):
         super().__init__()
-        self.block = nn.Sequential(CausalConv1d(dim, dim_out, 3), Transpose(), nn.LayerNorm(dim_out), Transpose(), nn.Mish())
+        self.block = nn.Sequential(
+            CausalConv1d(dim, dim_out, 3), Transpose(), nn.LayerNorm(dim_out), Transpose(), nn.Mish()
+        )
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         return self.block(x * mask) * mask
@@ -105,7 +107,9 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, act_fn: str, mult: int = 4):
         super().__init__()
         # net.1 is the (inference-time no-op) dropout of the weight layout
-        self.net = nn.Sequential(GELUProjection(dim, mult * dim, _GELU_APPROXIMATE[act_fn]), nn.Identity(), nn.Linear(mult * dim, dim))
+        self.net = nn.Sequential(
+            GELUProjection(dim, mult * dim, _GELU_APPROXIMATE[act_fn]), nn.Identity(), nn.Linear(mult * dim, dim)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -142,20 +146,25 @@ class CausalConditionalDecoder(nn.Module):
             )
 
         self.time_mlp = TimestepMLP(dims.in_channels, time_dim)
-        self.down_blocks = nn.ModuleList(
-            [nn.ModuleList([CausalResnetBlock1D(dims.in_channels, ch, time_dim), transformers(), CausalConv1d(ch, ch, 3)])]
-        )
+        down = [CausalResnetBlock1D(dims.in_channels, ch, time_dim), transformers(), CausalConv1d(ch, ch, 3)]
+        self.down_blocks = nn.ModuleList([nn.ModuleList(down)])
         self.mid_blocks = nn.ModuleList(
             nn.ModuleList([CausalResnetBlock1D(ch, ch, time_dim), transformers()]) for _ in range(dims.num_mid_blocks)
         )
-        self.up_blocks = nn.ModuleList(
-            [nn.ModuleList([CausalResnetBlock1D(2 * ch, ch, time_dim), transformers(), CausalConv1d(ch, ch, 3)])]
-        )
+        up = [CausalResnetBlock1D(2 * ch, ch, time_dim), transformers(), CausalConv1d(ch, ch, 3)]
+        self.up_blocks = nn.ModuleList([nn.ModuleList(up)])
         self.final_block = CausalBlock1D(ch, ch)
         self.final_proj = nn.Conv1d(ch, dims.out_channels, 1)
 
     def forward(
-        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool | Tensor = False
+        self,
+        x: Tensor,
+        mask: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        streaming: bool | Tensor = False,
     ) -> Tensor:
         """x, mu, cond (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80) -> v (B, 80, T), zero where masked.
 
