@@ -203,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_speakers)
 
     sub.add_parser("client", help="gRPC client (see `async-cosyvoice client -h`)", add_help=False)
+
+    from . import batch as _batch
+    from . import bench as _bench
+
+    p = sub.add_parser("bench", help="benchmark: concurrency sweep in-process or against a server")
+    _common(p)
+    _bench.add_arguments(p)
+    p.set_defaults(func=lambda a: _bench.main(a, _config))
+
+    p = sub.add_parser("batch", help="offline batch synthesis of a jsonl data list (resumable, multi-GPU)")
+    _common(p)
+    _batch.add_arguments(p)
+    p.set_defaults(func=lambda a: _batch.main(a, _config))
     return ap
 
 

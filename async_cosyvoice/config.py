@@ -52,6 +52,12 @@ class Token2WavConfig(_Section):
     estimator: Literal["torch", "compiled", "onnxruntime", "tensorrt"] = "torch"
     batching: bool = True
     max_batch: int = Field(32, ge=1)
+    # jobs of one batch run the flow together when their lengths are within this ratio (padding <= 1 - 1/ratio)
+    length_bucket_ratio: float = Field(1.5, ge=1)
+    estimator_cache_dir: Path | None = None  # ONNX exports / TensorRT plans; None: ~/.cache/async_cosyvoice
+    estimator_max_frames: int = Field(3000, ge=4)  # TensorRT profile max (prompt + target mel frames)
+    estimator_opt_frames: int = Field(500, ge=4)
+    estimator_chunked_graph: bool = True  # onnxruntime / tensorrt: a chunked-attention graph for streaming chunks
 
 
 class SpeakerConfig(_Section):

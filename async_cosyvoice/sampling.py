@@ -146,7 +146,7 @@ def ras_log_probs(scores: Tensor, history: Tensor, top_p=0.8, top_k=25, win_size
     """
     B, V = scores.shape
     dev = scores.device
-    sorted_p, ids, keep = _sorted_nucleus(scores, top_p, top_k)
+    _, ids, keep = _sorted_nucleus(scores, top_p, top_k)
     logp = scores.double().log_softmax(-1)
     p = logp.exp()
     nuc = torch.zeros_like(p).scatter(1, ids, torch.where(keep, p.gather(1, ids), 0.0))

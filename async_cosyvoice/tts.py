@@ -319,8 +319,9 @@ class Synthesizer:
             self._check_prompt_audio(request.prompt_audio, "prompt_audio")
             if request.source_audio is not None:
                 self._check_prompt_audio(request.source_audio, "source_audio")
-            encode = self.prompt_encoder.encode if spec.runs_lm else self.prompt_encoder.encode_unaligned
-            features = await self._in_cpu(encode, request.prompt_audio)
+            # VC too gets the aligned prompt (upstream's frontend_vc skips the alignment, which makes
+            # the flow's output length depend on the prompt's mel/token mismatch)
+            features = await self._in_cpu(self.prompt_encoder.encode, request.prompt_audio)
             transcript: tuple[int, ...] = ()
             if spec.lm_prompt_text == "transcript":
                 text = await self._in_cpu(self.text_frontend.normalize, request.prompt_text, split=False,
@@ -352,9 +353,9 @@ class Synthesizer:
 
         opts = request.options
         t2w = Token2WavStream(
-            torch.from_numpy(np.asarray(model_input.flow_prompt_speech_token, np.int32)).reshape(1, -1),
-            torch.from_numpy(np.asarray(model_input.prompt_speech_feat, np.float32))[None],
-            torch.from_numpy(np.asarray(model_input.flow_embedding, np.float32)).reshape(1, -1),
+            torch.tensor(model_input.flow_prompt_speech_token, dtype=torch.int32).reshape(1, -1),
+            torch.tensor(model_input.prompt_speech_feat, dtype=torch.float32)[None],
+            torch.tensor(model_input.flow_embedding, dtype=torch.float32).reshape(1, -1),
             stream=opts.stream, speed=opts.speed, noise=self._noise(opts.seed, segment),
             schedule=ChunkSchedule(first_hop=opts.first_hop, max_hop_multiple=self.config.token2wav.max_hop_multiple,
                                    prompt_align=1, pre_lookahead=self.dims.flow.pre_lookahead_len,

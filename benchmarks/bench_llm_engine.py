@@ -80,7 +80,7 @@ async def bench(args) -> None:
     vocab = model.dims.qwen.vocab_size
     config = NativeEngineConfig(max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len,
                                 max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-                                dtype=args.dtype, cuda_graphs=not args.no_graphs, seed=0)
+                                dtype=args.dtype, cuda_graphs=not args.no_graphs, compile=args.compile, seed=0)
     t = time.perf_counter()
     engine = NativeEngine(model, config)
     await engine.start()
@@ -135,6 +135,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (CUDA)")
     p.add_argument("--check", action="store_true", help="first compare greedy streams with the reference loop")
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

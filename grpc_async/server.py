@@ -286,6 +286,7 @@ class _Call:
         self.start = time.perf_counter()
         self.mode = "-"
         self.request_id = "-"
+        self.speaker_id = ""
         self.stream: bool | None = None
         self.status = "OK"
         self.detail = ""
@@ -366,6 +367,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         self.synth: Synthesizer | None = None
         self.closing = False
         self.active = 0
+        self.idle = asyncio.Event()  # set while no synthesis stream runs
+        self.idle.set()
 
     # ---- state ----
 
@@ -383,12 +386,15 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             raise Overloaded(f"{self.limits.max_concurrent_streams} synthesis streams are already "
                              "running (limits.max_concurrent_streams); retry later")
         self.active += 1
+        self.idle.clear()
         self.metrics.active_streams.inc()
         try:
             yield
         finally:
             self.active -= 1
             self.metrics.active_streams.dec()
+            if not self.active:
+                self.idle.set()
 
     async def _fail(self, call: _Call, error: BaseException) -> None:
         """Turn an exception into a status (and re-raise what grpc must see)."""
@@ -427,10 +433,11 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         level = logging.INFO if call.status in ("OK", "CANCELLED") else logging.WARNING
         log.log(level,
                 "rpc method=%s id=%s mode=%s stream=%s status=%s latency_ms=%.1f first_chunk_ms=%s "
-                "audio_s=%.3f tokens=%d chunks=%d peer=%s%s",
+                "audio_s=%.3f tokens=%d chunks=%d peer=%s%s%s",
                 call.method, call.request_id, call.mode, stream, call.status, elapsed * 1e3,
                 "-" if first is None else f"{first * 1e3:.1f}", call.audio_seconds, call.tokens,
-                call.chunks, call.context.peer(), f" detail={call.detail!r}" if call.detail else "")
+                call.chunks, call.context.peer(), f" speaker={call.speaker_id!r}" if call.speaker_id else "",
+                f" detail={call.detail!r}" if call.detail else "")
 
     # ---- request conversion ----
 
@@ -645,8 +652,10 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
                            prompt_speech_tokens=info.n_speech_tokens,
                            prompt_seconds=info.n_speech_tokens / TOKENS_PER_SECOND, created_at=created)
 
-    async def _unary(self, method: str, context, body: Callable[[_Call], Awaitable]):
+    async def _unary(self, method: str, context, body: Callable[[_Call], Awaitable], speaker_id: str = ""):
         call = _Call(method, context)
+        call.request_id = uuid.uuid4().hex
+        call.speaker_id = speaker_id[:80]
         try:
             return await body(call)
         except BaseException as e:  # noqa: B036 - re-raised by _fail
@@ -656,21 +665,20 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
 
     async def RegisterSpeaker(self, request: pb2.RegisterSpeakerRequest, context) -> pb2.Speaker:
         async def body(call: _Call):
-            call.request_id = request.speaker_id[:64] or "-"
             synth = self._synth()
             speaker_id = validate_speaker_id(request.speaker_id)
             prompt_text = self._check_text(request.prompt_text, "prompt_text")
             audio = await asyncio.to_thread(self._prompt, request.prompt_audio, "prompt_audio")
             record = await synth.register_speaker(speaker_id, prompt_text, audio, overwrite=request.overwrite)
             return self._speaker(record)
-        return await self._unary("RegisterSpeaker", context, body)
+        return await self._unary("RegisterSpeaker", context, body, request.speaker_id)
 
     async def GetSpeaker(self, request: pb2.GetSpeakerRequest, context) -> pb2.Speaker:
         async def body(call: _Call):
             store = self._synth().speakers
             speaker_id = validate_speaker_id(request.speaker_id)
             return self._speaker(await asyncio.to_thread(store.get, speaker_id))
-        return await self._unary("GetSpeaker", context, body)
+        return await self._unary("GetSpeaker", context, body, request.speaker_id)
 
     async def ListSpeakers(self, request: pb2.ListSpeakersRequest, context) -> pb2.ListSpeakersResponse:
         async def body(call: _Call):
@@ -686,7 +694,7 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             speaker_id = validate_speaker_id(request.speaker_id)
             await asyncio.to_thread(store.delete, speaker_id)
             return pb2.DeleteSpeakerResponse()
-        return await self._unary("DeleteSpeaker", context, body)
+        return await self._unary("DeleteSpeaker", context, body, request.speaker_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -790,11 +798,18 @@ class CosyVoiceServer:
             await self._stopped.wait()
             return
         grace = self.config.server.grace_seconds if grace is None else grace
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        # 1. Health NOT_SERVING and UNAVAILABLE ("shutting down", retryable) for new synthesis
+        #    while the in-flight streams finish; 2. then grpc's own stop with what is left of the
+        #    grace (other RPCs finish, the rest is cancelled, which aborts their engine requests).
         self.servicer.closing = True
         self.metrics.ready.set(0)
         await self.health.enter_graceful_shutdown()
         log.info("shutting down: draining %d stream(s) for up to %.1f s", self.servicer.active, grace)
-        await self._server.stop(grace)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.servicer.idle.wait(), timeout=grace)
+        await self._server.stop(max(0.0, deadline - loop.time()))
         if self._loader is not None and not self._loader.done():
             self._loader.cancel()
         if self._loader is not None:

@@ -165,7 +165,7 @@ def test_low_precision_runs_close(lm, inputs, dtype):
         x = low.embed_prompt(text, speech)[None]
         cache = low.new_cache(1, x.shape[1] + 1)
         h = low.backbone(x, torch.arange(x.shape[1])[None], cache, torch.tensor([0]))
-        assert h.dtype == dtype and cache.k.dtype == dtype
+        assert h.dtype == dtype and cache.dtype == dtype
         out = low.logits(h).float().log_softmax(-1)
     assert torch.isfinite(out).all()
     assert (out - ref).abs().max() < 0.5  # a precision smoke test, not parity

@@ -137,11 +137,12 @@ def test_batch_sampler_matches_log_probs_chi2():
         assert _chi2_p(counts, probs[b]) > P_MIN, b
 
 
+@pytest.mark.slow
 def test_reference_sampler_matches_log_probs_chi2():
     scores, history, params = _crafted()
     probs = ras_log_probs(scores, history, **params).exp().numpy()
     g = torch.Generator().manual_seed(11)
-    n = 6000
+    n = 3000
     for b in range(scores.shape[0]):
         ras = RASParams(top_p=float(params["top_p"][b]), top_k=int(params["top_k"][b]),
                         win_size=int(params["win_size"][b]), tau_r=float(params["tau_r"][b]))

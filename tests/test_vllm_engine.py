@@ -225,6 +225,20 @@ def test_export_layout_and_reexport_on_change(tiny_dir, tmp_path):
     assert not any(p.name.startswith(".") for p in cache.iterdir())  # no temporary dirs left
 
 
+def test_plugin_registers_idempotently():
+    from importlib.metadata import entry_points
+
+    from vllm import ModelRegistry
+
+    from async_cosyvoice.engine import vllm_plugin
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("async_cosyvoice") == "async_cosyvoice.engine.vllm_plugin:register"
+    vllm_plugin.register()
+    vllm_plugin.register()
+    assert "CosyVoice2ForCausalLM" in ModelRegistry.get_supported_archs()
+
+
 def test_missing_vllm_is_a_clear_error(monkeypatch):
     from async_cosyvoice.engine import vllm_backend
 
@@ -393,18 +407,18 @@ def test_min_len_masks_only_eos(engine, runner):
     for ids, reason, stop in runner.run(stops()):
         assert reason == "stop" and stop == 6562 and len(ids) < 30 and ids[-1] == 6562
 
-    # default RAS: EOS (p~0.66 when allowed) never before min_len, and it does end runs after it
+    # default RAS: EOS (p~0.66 when allowed) never before min_len, and it ends most runs that get there
     async def eos_runs():
-        reqs = [crafted_request(f"ras-eos-{i}", RASParams(), 10, 40, seed=100 + i) for i in range(24)]
+        reqs = [crafted_request(f"ras-eos-{i}", RASParams(), 3, 40, seed=100 + i) for i in range(64)]
         return await asyncio.gather(*(raw_finish(engine, r) for r in reqs))
 
     ended_by_eos = 0
     for ids, reason, stop in runner.run(eos_runs()):
-        assert EOS_TOKEN not in ids[:10]
-        if stop == EOS_TOKEN:
-            ended_by_eos += 1
-            assert len(ids) > 10
-    assert ended_by_eos >= 12
+        assert reason == "stop" and EOS_TOKEN not in ids[:3]
+        if len(ids) <= 3:
+            assert stop == 6562
+        ended_by_eos += stop == EOS_TOKEN
+    assert ended_by_eos >= 8  # expected ~20 of 64 (the rest stop on 6562 first)
 
 
 def test_rejects_non_neutral_vllm_sampling(engine, runner):

@@ -20,6 +20,10 @@ scratch slot that padding rows of a graph bucket read and write.
 
 Reproducible seeds: RAS draws use two float64 uniforms per row per step, taken from the request's
 own torch.Generator when it has a seed, so its draws do not depend on the other rows.
+
+Measured on one H200 (random full-size weights, bf16, prompt 200): a decode step takes 3.7 ms at
+batch 1 and 5.3 ms at 64 from graphs alone, 2.2 ms and 3.0 ms with `compile` (launch-bound: a
+step is ~1000 small kernels without it).
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ class RunnerConfig:
     max_top_k: int = 100  # largest RAS top_k a request may ask for (a top-k instead of a full sort)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     min_graph_kv_len: int = 256  # attention-length buckets: powers of two from here to max_model_len
+    compile: bool = False  # CUDA only: torch.compile each decoder layer (fuses norms and RoPE)
 
 
 class ModelRunner:
@@ -54,9 +59,26 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
-        n = config.max_num_seqs + 1  # + scratch
+        if config.compile and self.device.type == "cuda":
+            # one dynamic-shape compile serves prefill and every graph bucket; the ~45 small kernels
+            # of a layer (fp32 norms, RoPE, reshapes) become ~15, which is what decode time is made of
+            for layer in self.model.backbone.layers:
+                layer.compile(dynamic=True)
         self.scratch = config.max_num_seqs
-        self.cache = self.model.new_cache(config.max_num_seqs, config.max_model_len, config.dtype, self.device)
+        self._allocate()
+        self.generator = torch.Generator()  # draws for requests without a seed
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graph_pool = None
+
+    @torch.inference_mode()  # inference tensors, like every tensor a step makes: one kind for torch.compile
+    def _allocate(self) -> None:
+        cfg, n = self.cfg, self.cfg.max_num_seqs + 1  # + scratch
+        # one spare position: a window equal to the cache length would be one more compile variant
+        self.cache = self.model.new_cache(cfg.max_num_seqs, cfg.max_model_len + 1, cfg.dtype, self.device)
 
         def zeros(dtype, *shape):
             return torch.zeros(n, *shape, dtype=dtype, device=self.device)
@@ -67,15 +89,7 @@ class ModelRunner:
         self.ignore_stop = zeros(torch.bool)
         self.top_p, self.tau_r = zeros(torch.float64), zeros(torch.float64)
         self.top_k, self.win_size = zeros(torch.long), zeros(torch.long)
-        self.history = zeros(torch.long, config.history_len) - 1
-
-        self.generator = torch.Generator()  # draws for requests without a seed
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self._graph_pool = None
+        self.history = zeros(torch.long, cfg.history_len) - 1
         self._graph_slots = torch.full((max(self._batch_buckets()),), self.scratch, dtype=torch.long,
                                        device=self.device)
         self._graph_uniforms = torch.zeros(len(self._graph_slots), 2, dtype=torch.float64, device=self.device)
@@ -206,12 +220,23 @@ class ModelRunner:
     def _bucket(n: int, buckets: list[int]) -> int:
         return next(b for b in buckets if b >= n)
 
-    def capture_graphs(self) -> None:
-        """Capture every (batch, attention length) decode bucket, largest first so that the
-        shared memory pool is sized once. Without this, buckets are captured on first use."""
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Before serving: compile (if asked) every input-shape variant torch.compile specialises
+        (batch and length 1 or more), then capture every (batch, attention length) decode graph,
+        largest first so that the shared memory pool is sized once. Without it, both happen on
+        first use, in the middle of serving."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.cfg.compile and self.device.type == "cuda":
+            hidden = self.model.dims.qwen.hidden_size
+            for batch, length in ((1, 1), (2, 1), (1, 2), (2, 2)):
+                x = torch.zeros(batch, length, hidden, dtype=self.cfg.dtype, device=self.device)
+                positions = torch.arange(length, device=self.device).expand(batch, length)
+                slots = torch.full((batch,), self.scratch, device=self.device)
+                self.model.backbone(x, positions, self.cache, slots, self._kv_buckets()[0])
         if not self.use_graphs:
             return
-        torch.cuda.set_device(self.device)
         for kv_len in reversed(self._kv_buckets()):
             for batch in reversed(self._batch_buckets()):
                 self._capture(batch, kv_len)

@@ -208,6 +208,7 @@ class VLLMEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self.llm
         if llm is None:
@@ -220,6 +221,8 @@ class VLLMEngine:
                     yield ids
         except VLLMClientError as err:
             raise InvalidRequest(f"vLLM rejected request {request.request_id}: {err}") from err
+        except EngineDeadError as err:
+            raise NotReady(f"the vLLM engine died ({err}); restart the service") from err
         finally:
             # Closing vLLM's generator aborts the request if it is still running (consumer
             # cancelled or stopped early); a finished stream closes as a no-op.

@@ -23,16 +23,17 @@ from .dims import Qwen2Dims
 class KVCache:
     """Preallocated k/v for `num_slots` sequences of up to `max_len` positions each.
 
-    k, v: [num_layers, num_slots + 1, num_kv_heads, max_len, head_dim]; the extra last slot is
-    the scratch slot that absorbs the writes of padding tokens.
+    k[layer], v[layer]: [num_slots + 1, num_kv_heads, max_len, head_dim]; the extra last slot is
+    the scratch slot that absorbs the writes of padding tokens. One tensor per layer rather than
+    views of one: the layers then see identical inputs (torch.compile shares one compiled layer).
     """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (num_layers, num_slots + 1, num_kv_heads, max_len, head_dim)
+        shape = (num_slots + 1, num_kv_heads, max_len, head_dim)
         # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and 0 * NaN = NaN
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @classmethod
     def for_model(cls, dims: Qwen2Dims, num_slots: int, max_len: int, dtype: torch.dtype = torch.float32,
@@ -41,19 +42,23 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1] - 1
+        return self.k[0].shape[0] - 1
 
     @property
     def scratch_slot(self) -> int:
-        return self.k.shape[1] - 1
+        return self.k[0].shape[0] - 1
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
 
 
 class RMSNorm(nn.Module):
