@@ -101,6 +101,9 @@ class Token2WavBatcher:
                 for p, out in zip(batch, outs):
                     if not p.future.done():
                         p.future.set_result(out)
+                # let the streams just served plan and submit their next chunk before the next
+                # batch is taken, so they batch together instead of alternating
+                await asyncio.sleep(0)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -222,7 +222,12 @@ class Synthesizer:
         models = build_models(model_dir, device=device, dtype=getattr(torch, config.model.flow_dtype))
         models.llm.to(getattr(torch, config.model.llm_dtype))
         tokenizer = model_dir.tokenizer()
-        text_frontend = TextFrontend(tokenizer)
+        try:
+            text_frontend = TextFrontend(tokenizer)
+        except ImportError as e:
+            log.warning("wetext is not importable (%s): text normalization runs without it "
+                        "(upstream's behaviour when no normalizer is installed)", e)
+            text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
         speakers = SpeakerStore(config.speakers.dir, cache_size=config.speakers.cache_size)

@@ -279,8 +279,8 @@ def main(argv=None) -> int:
     phases["model_s"] = time.monotonic() - t
     log(f"model ready in {phases['model_s']:.1f} s")
 
-    speakers_dir = Path(tempfile.mkdtemp(prefix="h200-bench-spk-"))
-    config = make_config(args, plan, model_dir, speakers_dir)
+    scratch = tempfile.TemporaryDirectory(prefix="h200-bench-spk-")  # the speaker store, removed at exit
+    config = make_config(args, plan, model_dir, Path(scratch.name))
     results = {"title": f"async_cosyvoice on {args.device}", "meta": {
         "script": "benchmarks/h200_bench.py", "argv": sys.argv[1:] if argv is None else list(argv),
         "preset": None if args.model_dir else args.preset, "model_dir": str(model_dir), "quick": args.quick,
@@ -296,6 +296,7 @@ def main(argv=None) -> int:
             traceback.format_exception(type(e), e, e.__traceback__))
         log(f"failed: {type(e).__name__}: {e}")
     finally:
+        scratch.cleanup()
         phases["total_s"] = time.monotonic() - t_all
         results["targets"] = check_targets(results)
         path = bench.write_json(results, args.out / "h200_results.json")

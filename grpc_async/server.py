@@ -27,7 +27,7 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import grpc
 import numpy as np

@@ -13,7 +13,6 @@ import soundfile as sf
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
-from grpc_async import pb2
 from grpc_async.client import CosyVoiceClient, client_main, collect, fix_wav_sizes
 from grpc_async.server import ServerThread, wav_header
 

@@ -51,11 +51,11 @@ class Estimator(Protocol):
         ...
 
 
-def streaming_rows(streaming: bool | Tensor, batch: int) -> Tensor:
-    """The flag as a (batch,) bool tensor on the CPU."""
+def streaming_rows(streaming: bool | Tensor, batch: int, device: torch.device | str = "cpu") -> Tensor:
+    """The flag as a (batch,) bool tensor on `device`."""
     if isinstance(streaming, Tensor):
-        return streaming.reshape(-1).to("cpu", torch.bool).expand(batch)
-    return torch.full((batch,), bool(streaming), dtype=torch.bool)
+        return streaming.reshape(-1).to(device, torch.bool).expand(batch)
+    return torch.full((batch,), bool(streaming), dtype=torch.bool, device=device)
 
 
 class RowSplitEstimator:
@@ -76,6 +76,11 @@ class RowSplitEstimator:
         self.fallback = fallback
         self.supports_streaming = chunked is not None
         self._warned = False
+        # the last per-row flag tensor and its row split: the CFM passes the same tensor at every step,
+        # so the device is synced once per flow batch, not once per step
+        self._flag: Tensor | None = None
+        self._batch = 0
+        self._split: tuple[Tensor, Tensor] | None = None
 
     def _chunked(self, x, mask, mu, t, spks, cond) -> Tensor:
         if self.chunked is not None:
@@ -89,13 +94,17 @@ class RowSplitEstimator:
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool | Tensor = False) -> Tensor:
         args = (x, mask, mu, t, spks, cond)
-        rows = streaming_rows(streaming, x.shape[0])
-        if bool(rows.all()):
+        if not isinstance(streaming, Tensor):
+            return self._chunked(*args) if streaming else self.full(*args)
+        if streaming is not self._flag or self._batch != x.shape[0]:
+            rows = streaming_rows(streaming, x.shape[0])
+            self._flag, self._batch = streaming, x.shape[0]
+            self._split = (rows.nonzero().reshape(-1).to(x.device), (~rows).nonzero().reshape(-1).to(x.device))
+        chunked_idx, full_idx = self._split
+        if not len(full_idx):
             return self._chunked(*args)
-        if not bool(rows.any()):
+        if not len(chunked_idx):
             return self.full(*args)
-        chunked_idx = rows.nonzero().reshape(-1).to(x.device)
-        full_idx = (~rows).nonzero().reshape(-1).to(x.device)
         out = torch.empty_like(x)
         out[chunked_idx] = self._chunked(*(a.index_select(0, chunked_idx) for a in args)).to(x.dtype)
         out[full_idx] = self.full(*(a.index_select(0, full_idx) for a in args)).to(x.dtype)

@@ -126,8 +126,9 @@ def export_estimator(estimator: nn.Module, path: str | Path, *, streaming: bool 
             else:
                 batch = torch.export.Dim("batch", min=1, max=4096)
                 seq = torch.export.Dim("seq_len", min=4, max=15000)  # the flow noise covers 15000 frames
-                shapes = {n: {0: batch, 2: seq} for n in ("x", "mask", "mu", "cond")}
-                shapes.update(t={0: batch}, spks={0: batch})
+                # in input order: the exporter renames the axes by position
+                shapes = {n: ({0: batch, 2: seq} if n in ("x", "mask", "mu", "cond") else {0: batch})
+                          for n in INPUT_NAMES}
                 torch.onnx.export(module, args, tmp, input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
                                   opset_version=opset, dynamo=True, dynamic_shapes=shapes, external_data=False,
                                   verbose=False)

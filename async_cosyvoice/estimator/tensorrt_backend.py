@@ -176,14 +176,16 @@ class TensorRTGraph:
         for name, a in zip(INPUT_NAMES, (x, mask, mu, t, spks, cond)):
             a = a.to(self.device, self.dtypes[name]).contiguous()
             args[name] = a  # keep the (possibly converted) tensors alive until the call is enqueued
-            ctx.set_input_shape(name, tuple(a.shape))
+            if not ctx.set_input_shape(name, tuple(a.shape)):
+                raise ValueError(f"TensorRT estimator: input {name} shape {tuple(a.shape)} is outside the profile")
             ctx.set_tensor_address(name, a.data_ptr())
         out = torch.empty(tuple(x.shape), dtype=self.dtypes[OUTPUT_NAME], device=self.device)
         ctx.set_tensor_address(OUTPUT_NAME, out.data_ptr())
         # torch's caching allocator reuses freed blocks only in stream order, so the inputs may be freed
         # after enqueueing on this stream
-        if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
-            raise RuntimeError("TensorRT estimator execution failed (shapes outside the engine profile?)")
+        with torch.cuda.device(self.device):  # TensorRT runs on the calling thread's current device
+            if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
+                raise RuntimeError("TensorRT estimator execution failed")
         return out.to(x.dtype)
 
 
@@ -191,6 +193,7 @@ def tensorrt_graph(onnx_path: Path, device: torch.device, dtype: torch.dtype, sh
                    fallback=None) -> TensorRTGraph:
     """The engine for this ONNX graph, from the plan cache or built now."""
     plan = plan_path(onnx_path, device, dtype, shapes)
-    if not (plan.is_file() and plan.stat().st_size > 0):
-        build_engine(onnx_path, plan, dtype, shapes)
-    return TensorRTGraph(plan, device, shapes, fallback)
+    with torch.cuda.device(device):  # build and load on the estimator's GPU
+        if not (plan.is_file() and plan.stat().st_size > 0):
+            build_engine(onnx_path, plan, dtype, shapes)
+        return TensorRTGraph(plan, device, shapes, fallback)

@@ -146,6 +146,7 @@ class CompiledEstimator:
             self._fn, self._compiled = self.module, False
             return self._fn(**inputs)
 
+    @torch.inference_mode()
     def warmup(self, batches: Sequence[int], frames: Sequence[int]) -> None:
         """Capture (or compile) the buckets of these estimator batch sizes x frame counts now."""
         C = self.module.dims.out_channels
@@ -159,10 +160,11 @@ class CompiledEstimator:
     def graph_buckets(self) -> list[tuple[int, int]]:
         return sorted(self._graphs)
 
+    @torch.inference_mode()
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool | Tensor = False) -> Tensor:
         B, C, T = x.shape
-        rows = streaming_rows(streaming, B).to(x.device)
+        rows = streaming_rows(streaming, B, x.device)
         inputs = dict(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, streaming=rows)
         if not self.pad_to_buckets:
             return self._run(**inputs)
