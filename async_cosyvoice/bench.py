@@ -37,9 +37,8 @@ Output: a JSON file (`--out`), PNG plots next to it (latency and throughput vs c
 matplotlib with the Agg backend, skipped with a message when matplotlib is missing), a table on
 stdout and a progress line on stderr.
 
-Over gRPC the API has no forced token count (unless the server's SynthesisOptions gains a
-`max_tokens` field, which is then used), so `--tokens` is refused there: the seed alone fixes
-the workload.
+Over gRPC, `--tokens` travels as `SynthesisOptions.max_tokens` (the server caps it with
+`limits.max_forced_tokens`); a server without that field refuses `--tokens`.
 """
 from __future__ import annotations
 

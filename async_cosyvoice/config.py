@@ -33,6 +33,7 @@ class EngineConfig(_Section):
     max_model_len: int = Field(4096, ge=64)
     max_num_batched_tokens: int = Field(4096, ge=64)
     cuda_graphs: bool = True
+    compile: bool = False  # native engine: torch.compile the decode step (CUDA; slower start, faster steps)
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     enforce_eager: bool = True
     cpu_kvcache_space_gib: int = Field(1, ge=1)
@@ -69,6 +70,7 @@ class LimitsConfig(_Section):
     max_concurrent_streams: int = Field(64, ge=1)
     max_text_chars: int = Field(4000, ge=1)
     max_prompt_seconds: float = Field(30.0, gt=0)
+    max_forced_tokens: int = Field(3000, ge=1)  # SynthesisOptions.max_tokens (benchmarks)
     max_message_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     max_source_seconds: float = Field(120.0, gt=0)  # vc source audio
 

@@ -210,6 +210,7 @@ class Synthesizer:
 
         from .demo import resolve_model_dir
         from .engine import create_engine
+        from .estimator import estimator_from_config
         from .frontend.prompt import PromptEncoder
         from .frontend.text import TextFrontend
         from .model_dir import build_models, load_model_dir
@@ -232,7 +233,9 @@ class Synthesizer:
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
         speakers = SpeakerStore(config.speakers.dir, cache_size=config.speakers.cache_size)
         engine = create_engine(config, models.llm, model_dir)
-        runner = Token2WavRunner(models.flow, models.hift)
+        estimator = estimator_from_config(config.token2wav, models.flow, flow_pt=model_dir.path / "flow.pt")
+        runner = Token2WavRunner(models.flow, models.hift, estimator=estimator,
+                                 length_bucket_ratio=config.token2wav.length_bucket_ratio)
         batcher = Token2WavBatcher(runner, max_batch=config.token2wav.max_batch,
                                    batching=config.token2wav.batching)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,

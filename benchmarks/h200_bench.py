@@ -72,6 +72,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/h200")))
     ap.add_argument("--llm-dtype", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--flow-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--estimator", choices=["torch", "compiled", "onnxruntime", "tensorrt"], default="torch",
+                    help="flow estimator backend")
+    ap.add_argument("--llm-compile", action="store_true", help="torch.compile the native engine's decode step")
     ap.add_argument("--t2w-max-batch", type=int, default=64, help="token2wav batcher's largest batch")
     ap.add_argument("--tokens", type=int, help="forced tokens per request (default 250; quick 30)")
     ap.add_argument("--max-level-seconds", type=float, default=40.0)
@@ -95,8 +98,8 @@ def make_config(args, plan: dict, model_dir: Path, speakers_dir: Path) -> Config
         "model": {"dir": str(model_dir), "device": args.device, "llm_dtype": llm_dtype,
                   "flow_dtype": args.flow_dtype},
         "engine": {"kind": "native", "max_num_seqs": plan["max_num_seqs"], "max_model_len": plan["max_model_len"],
-                   "cuda_graphs": cuda},
-        "token2wav": {"batching": True, "max_batch": args.t2w_max_batch},
+                   "cuda_graphs": cuda, "compile": args.llm_compile},
+        "token2wav": {"batching": True, "max_batch": args.t2w_max_batch, "estimator": args.estimator},
         "speakers": {"dir": str(speakers_dir)},
     })
 

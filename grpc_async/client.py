@@ -91,7 +91,8 @@ def _voice(mode: str, *, speaker_id, prompt_audio, prompt_text, instruct_text, s
 
 
 def options(*, stream: bool = False, speed: float | None = None, text_frontend: bool | None = None,
-            encoding: str | int = "float32", sample_rate: int = 0, seed: int | None = None) -> pb2.SynthesisOptions:
+            encoding: str | int = "float32", sample_rate: int = 0, seed: int | None = None,
+            max_tokens: int | None = None) -> pb2.SynthesisOptions:
     o = pb2.SynthesisOptions(stream=stream, sample_rate=sample_rate,
                              encoding=ENCODINGS[encoding] if isinstance(encoding, str) else encoding)
     if speed is not None:
@@ -100,6 +101,8 @@ def options(*, stream: bool = False, speed: float | None = None, text_frontend: 
         o.text_frontend = text_frontend
     if seed is not None:
         o.seed = seed
+    if max_tokens is not None:
+        o.max_tokens = max_tokens
     return o
 
 

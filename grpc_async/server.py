@@ -467,8 +467,17 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             stream=o.stream, speed=speed,
             text_frontend=o.text_frontend if o.HasField("text_frontend") else True,
             seed=o.seed if o.HasField("seed") else None,
+            max_tokens=self._max_tokens(o),
             first_hop=self.config.token2wav.first_hop)
         return options, _Output(o.encoding or pb2.AUDIO_ENCODING_PCM16, rate, o.stream)
+
+    def _max_tokens(self, o) -> int | None:
+        if not o.HasField("max_tokens"):
+            return None
+        limit = self.config.limits.max_forced_tokens
+        if not 1 <= o.max_tokens <= limit:
+            raise InvalidRequest(f"options.max_tokens must be in 1..{limit}, got {o.max_tokens}")
+        return o.max_tokens
 
     def _native_rate(self) -> int:
         return getattr(self.synth, "sample_rate", None) or NATIVE_SAMPLE_RATE

@@ -663,3 +663,13 @@ def test_reflection_lists_the_service(server):
 
     names = run(body())
     assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
+
+
+def test_forced_token_count_over_grpc(server):
+    """SynthesisOptions.max_tokens fixes the workload: exactly N tokens, 960 samples each."""
+    chunks = asyncio.run(_synth(server, "Hi.", speaker_id="tiny_sft_spk", mode="sft", stream=True, max_tokens=33))
+    assert chunks[-1].summary.speech_tokens == 33
+    assert sum(c.num_samples for c in chunks) == 33 * 960
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(_synth(server, "Hi.", speaker_id="tiny_sft_spk", mode="sft", max_tokens=10**6))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
