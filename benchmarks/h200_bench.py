@@ -12,7 +12,7 @@ Steps (each timed; the results say how long):
 2. an in-process Synthesizer on the device: built-in engine (CUDA graphs), PyTorch token2wav,
    LLM in --llm-dtype (default bfloat16 on cuda), flow in --flow-dtype (default float32);
 3. a speaker registered from a generated 6 s speech-like prompt wav (150 prompt tokens);
-4. a warm-up round at the highest concurrency (short requests);
+4. an untimed full-length warm-up round at every concurrency level (compiles / captures shapes);
 5. the streaming sweep 1, 2, 4, 8, 16, 32, 64 with 250 forced tokens per request (10 s of
    audio), closed loop, requests per level 4, 4, 8, 16, 32, 64, 128 (each level stops sending
    new requests after --max-level-seconds, default 40 s);
@@ -223,7 +223,13 @@ async def measure(args, plan: dict, config: Config, results: dict, phases: dict,
         results["meta"]["workload"] = workload.to_json()
 
         if plan["warmup_concurrency"]:
-            await run_phase("warmup", bench.warm_up(target, workload, plan["warmup_concurrency"], progress))
+            async def warm_every_level():
+                # one untimed full-length round per level: every (batch, length) shape the sweep
+                # meets is compiled / captured before it is timed
+                for c in plan["levels"]:
+                    await bench.run_level(target, workload, c, c, progress=progress, label=f"warm-up x{c}",
+                                          detail=False)
+            await run_phase("warmup", warm_every_level())
 
         async def sweep():
             results["levels"] = []
