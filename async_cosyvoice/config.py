@@ -50,6 +50,7 @@ class SamplingConfig(_Section):
 class Token2WavConfig(_Section):
     first_hop: int = Field(15, ge=1)  # speech tokens in the first streamed chunk
     max_hop_multiple: int = Field(4, ge=1)
+    adaptive: bool = True  # later hops follow the listener's buffer (token2wav.adaptive_hop); False: doubling
     estimator: Literal["torch", "compiled", "onnxruntime", "tensorrt"] = "torch"
     batching: bool = True
     max_batch: int = Field(32, ge=1)

@@ -42,7 +42,7 @@ from .models.hift import HiFT, NSFNoise
 
 __all__ = [
     "ChunkSchedule", "Token2WavJob", "Token2WavStream", "Token2WavRunner", "ChunkRecord",
-    "FlowLike", "crossfade", "length_groups", "RunnerStats",
+    "FlowLike", "crossfade", "length_groups", "RunnerStats", "adaptive_hop",
 ]
 
 
@@ -233,6 +233,26 @@ class Token2WavStream:
         return out
 
 
+def adaptive_hop(schedule: ChunkSchedule, grown_hop: int, pending: int, lead_s: float, chunk_s: float,
+                 token_s: float) -> int:
+    """The service's next streaming hop (tokens), chosen from how far ahead of the listener we are.
+
+    grown_hop: what upstream's rule would take next (the previous hop doubled, capped).
+    pending: target tokens generated but not yet rendered. lead_s: audio already sent that has
+    not been played yet. chunk_s: recent compute time of one chunk; token_s: recent time per LLM token.
+
+    Each chunk re-runs the flow over the whole prefix, so a chunk costs about the same whatever its
+    hop: when the buffer is comfortable (it covers twice the wait for the grown hop's tokens plus a
+    chunk) take the grown hop; otherwise render what is already pending at once (at least
+    first_hop, at most max_hop) instead of waiting for more tokens.
+    """
+    wait_s = max(0, grown_hop + schedule.pre_lookahead - pending) * token_s
+    if lead_s > 2 * (wait_s + chunk_s):
+        return grown_hop
+    ready = pending - schedule.pre_lookahead
+    return max(schedule.first_hop, min(schedule.max_hop, ready))
+
+
 @dataclass
 class ChunkRecord:
     """What one token2wav call saw and produced (the golden files' `call<i>/…` arrays)."""
@@ -315,6 +335,7 @@ class Token2WavRunner:
         self.length_bucket_ratio = length_bucket_ratio
         self.max_flow_batch = max_flow_batch
         self.stats = RunnerStats()
+        self._cuda_stream: torch.cuda.Stream | None = None  # CUDA: created on first use, in the device thread
         self._batched_flow = isinstance(flow, Flow)
 
     @property
@@ -387,6 +408,13 @@ class Token2WavRunner:
             raise ValueError("run_many takes at most one job per stream (a stream's chunks are sequential)")
         for job in jobs:
             job.stream._check(job)
+        if self.device.type == "cuda" and self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(self.device)
+        # our own CUDA stream: syncs here wait for token2wav's kernels only, not the LM's
+        with torch.cuda.stream(self._cuda_stream):
+            return self._run_many(jobs)
+
+    def _run_many(self, jobs: Sequence[Token2WavJob]) -> list[Tensor]:
         flow_mels = self.flow_mels(jobs)
         inputs = [job.stream.hift_input(job, mel) for job, mel in zip(jobs, flow_mels)]
 

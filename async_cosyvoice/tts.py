@@ -121,6 +121,16 @@ class _Progress:
         return self.first_chunk_at + self.samples / sample_rate
 
 
+@dataclass
+class _Pace:
+    """One segment's recent speeds, for the adaptive chunk schedule."""
+    started: float
+    chunk_s: float = 0.0
+
+    def token_s(self, n_tokens: int, now: float) -> float:
+        return (now - self.started) / max(n_tokens, 1)
+
+
 def validate_request(request: SynthesisRequest, max_text_chars: int | None = None) -> None:
     """Reject what no mode can serve, with a message the caller can act on."""
     from .frontend.model_input import MODE_SPECS
@@ -357,7 +367,7 @@ class Synthesizer:
                                   progress: _Progress) -> AsyncIterator[AudioChunk]:
         import torch
 
-        from .token2wav import ChunkSchedule, Token2WavStream
+        from .token2wav import ChunkSchedule, Token2WavStream, adaptive_hop
 
         opts = request.options
         t2w = Token2WavStream(
@@ -370,13 +380,20 @@ class Synthesizer:
                                    token_mel_ratio=self.dims.token_mel_ratio,
                                    samples_per_frame=self.dims.hift.samples_per_frame))
         tokens: list[int] = []
+        pace = _Pace(started=time.monotonic())
 
         async def render(llm_done: bool) -> AsyncIterator[AudioChunk]:
             while (job := t2w.next_job(tokens, llm_done)) is not None:
+                submitted = time.monotonic()
                 samples = await self.batcher.submit(job, progress.deadline(self.sample_rate))
                 now = time.monotonic()
+                pace.chunk_s = now - submitted
                 if progress.first_chunk_at is None:
                     progress.first_chunk_at = now
+                if self.config.token2wav.adaptive and not t2w.finished:
+                    lead = progress.first_chunk_at + (progress.samples + len(samples)) / self.sample_rate - now
+                    t2w.hop = adaptive_hop(t2w.schedule, t2w.hop, len(tokens) - t2w.token_offset, lead,
+                                           pace.chunk_s, pace.token_s(len(tokens), now))
                 final = last and t2w.finished
                 chunk = AudioChunk(samples=samples.numpy(), sample_rate=self.sample_rate, index=progress.index,
                                    is_final=final, sample_offset=progress.samples, segment_index=segment,

@@ -44,6 +44,22 @@ async def main(args) -> None:
         marks.setdefault("job_done", time.monotonic() - t0)
         return out
 
+    runner = synth.batcher.runner
+    run_many, flow_mels, hift = runner.run_many, runner.flow_mels, runner.hift.inference
+
+    def synced(name, fn):
+        def wrapped(*a, **kw):
+            marks.setdefault(name + "_start", time.monotonic() - t0)
+            out = fn(*a, **kw)
+            if args.device.startswith("cuda"):
+                import torch
+                torch.cuda.synchronize()
+            marks.setdefault(name + "_end", time.monotonic() - t0)
+            return out
+        return wrapped
+
+    runner.run_many, runner.flow_mels = synced("run_many", run_many), synced("flow", flow_mels)
+    runner.hift.inference = synced("hift", hift)
     synth.engine.generate, synth.batcher.submit = timed_generate, timed_submit
     text = "This is a sentence of moderate length that the benchmark speaks many times over."
     for i in range(args.requests):

@@ -360,3 +360,16 @@ def test_run_many_batches_streams(golden_dir, hift):
         job = s.next_job(tok_a, True)
         runner = Token2WavRunner(FakeFlow(), hift)
         runner.run_many([job, job])
+
+
+def test_adaptive_hop_grows_when_ahead_and_takes_pending_when_behind():
+    from async_cosyvoice.token2wav import ChunkSchedule, adaptive_hop
+    s = ChunkSchedule(first_hop=15, max_hop_multiple=4, prompt_align=1)
+    # comfortably ahead: upstream's doubled hop
+    assert adaptive_hop(s, 30, pending=10, lead_s=5.0, chunk_s=0.1, token_s=0.02) == 30
+    # behind: render what is pending now, within [first_hop, max_hop]
+    assert adaptive_hop(s, 30, pending=25, lead_s=0.1, chunk_s=0.2, token_s=0.02) == 22
+    assert adaptive_hop(s, 30, pending=5, lead_s=0.1, chunk_s=0.2, token_s=0.02) == 15
+    assert adaptive_hop(s, 60, pending=400, lead_s=0.0, chunk_s=0.2, token_s=0.02) == 60
+    # the wait for missing tokens counts: ahead by 1 s is not enough for 60 tokens at 40 ms each
+    assert adaptive_hop(s, 60, pending=0, lead_s=1.0, chunk_s=0.1, token_s=0.04) == 15

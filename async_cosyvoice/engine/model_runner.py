@@ -72,6 +72,7 @@ class ModelRunner:
         else:
             self.generator.manual_seed(seed)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._stream: torch.cuda.Stream | None = None  # CUDA: created by the step thread
         self._graph_pool = None
 
     @torch.inference_mode()  # inference tensors, like every tensor a step makes: one kind for torch.compile
@@ -106,14 +107,19 @@ class ModelRunner:
         prefill row that completed its prompt. Called from the engine's single step thread."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the step thread is not the thread that built us
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
         out: list[tuple[Sequence, int]] = []
-        if plan.decode:
-            tokens = self._decode(plan.decode, plan.decode_kv_len)
-            out += zip(plan.decode, tokens)
-        if plan.prefill:
-            done = [c.seq for c in plan.prefill if c.is_last]
-            tokens = self._prefill(plan.prefill)
-            out += zip(done, tokens)
+        # our own stream: the step's host syncs wait for the LM's kernels only, not for the
+        # token2wav work another thread queued on the same device
+        with torch.cuda.stream(self._stream):
+            if plan.decode:
+                tokens = self._decode(plan.decode, plan.decode_kv_len)
+                out += zip(plan.decode, tokens)
+            if plan.prefill:
+                done = [c.seq for c in plan.prefill if c.is_last]
+                tokens = self._prefill(plan.prefill)
+                out += zip(done, tokens)
         return out
 
     def _uniforms(self, seqs: list[Sequence]) -> Tensor:
