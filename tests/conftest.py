@@ -25,3 +25,41 @@ def tiny_dir() -> Path:
 @pytest.fixture(scope="session")
 def golden_dir(tiny_dir) -> Path:
     return tiny_dir / "golden"
+
+
+@pytest.fixture
+def _one_thread():
+    """Single-threaded torch: float sums in the order the goldens were made (1 thread)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_dir):
+    from async_cosyvoice.model_dir import load_model_dir
+
+    return load_model_dir(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def hift(model_dir):
+    from async_cosyvoice.models.hift import HiFT
+
+    m = HiFT(model_dir.dims.hift).eval()
+    m.load_state_dict(model_dir.hift_state_dict(), strict=True)
+    return m
+
+
+@pytest.fixture(scope="module")
+def lm(model_dir):
+    """The fixture's LM, loaded strictly, float32 CPU, eval mode."""
+    from async_cosyvoice.model_dir import load_strict
+    from async_cosyvoice.models.llm import CosyVoice2LM
+
+    m = CosyVoice2LM(model_dir.dims.lm).eval()
+    load_strict(m, model_dir.llm_state_dict(), "llm.pt")
+    return m

@@ -58,7 +58,7 @@ def test_a_bad_line_is_named(tmp_path, prompt, bad, message):
         {"key": "a", "text": "one", "prompt_wav": "prompts/p.wav"}, bad])
     with pytest.raises(DataListError) as e:
         load_data_list(data, tmp_path / "out")
-    assert f"data.jsonl:2: " in str(e.value) and message in str(e.value)
+    assert "data.jsonl:2: " in str(e.value) and message in str(e.value)
 
 
 def test_cli_reports_a_corrupt_line(tmp_path, prompt, capsys):

@@ -3,7 +3,6 @@ import numpy as np
 import pytest
 import torch
 
-from async_cosyvoice.model_dir import load_model_dir
 from async_cosyvoice.models.dims import HiFTDims
 from async_cosyvoice.models.hift import HiFT, NSFNoise
 
@@ -17,16 +16,6 @@ SOURCE_ATOL = 1e-3
 F0_RTOL, F0_ATOL = 1e-5, 1e-4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_dir):
-    return load_model_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def hift(model_dir):
-    m = HiFT(model_dir.dims.hift).eval()
-    m.load_state_dict(model_dir.hift_state_dict(), strict=True)
-    return m
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ from async_cosyvoice.models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
 from async_cosyvoice.models.llm import CosyVoice2LM
 from async_cosyvoice.sampling import SuppressEOSBeforeMinLen, ras_sample
 
+pytestmark = pytest.mark.usefixtures("_one_thread")
+
 CASES = ["zero_shot", "cross_lingual"]
 ATOL = 1e-4
 
@@ -25,16 +27,6 @@ def prompt_of(inputs, mode: str) -> tuple[list[int], list[int], int]:
     """(text tokens = prompt text ++ text, LLM prompt speech tokens, target text length) of a golden mode."""
     get = lambda key: inputs[f"{mode}/{key}"][0].tolist() if f"{mode}/{key}" in inputs.files else []  # noqa: E731
     return get("prompt_text") + get("text"), get("llm_prompt_speech_token"), len(get("text"))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_dir):
-    return load_tiny_lm(tiny_dir)
 
 
 @pytest.fixture(scope="module")

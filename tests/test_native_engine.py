@@ -10,20 +10,12 @@ from async_cosyvoice.engine.native import NativeEngine, NativeEngineConfig
 from async_cosyvoice.errors import InvalidRequest
 from async_cosyvoice.models.dims import EOS2_TOKEN, EOS_TOKEN, STOP_TOKENS, RASParams
 from async_cosyvoice.sampling import ras_sample
-from test_llm import load_tiny_lm, prompt_of
+from test_llm import prompt_of
+
+pytestmark = pytest.mark.usefixtures("_one_thread")
 
 GREEDY = RASParams(top_k=1)
 MODES = ["zero_shot", "cross_lingual", "instruct2", "sft"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_dir):
-    return load_tiny_lm(tiny_dir)
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,12 @@ from async_cosyvoice.models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
 from async_cosyvoice.sampling import (SuppressEOSBeforeMinLen, SuppressStopTokens, _sorted_nucleus, nucleus,
                                       ras_log_probs, ras_sample, ras_sample_batch, suppress_batch)
 
+pytestmark = pytest.mark.usefixtures("_one_thread")
+
 CASES = ["llm_step0_no_history", "llm_step0_argmax_in_history", "peaked_no_history", "peaked_top_in_history",
          "peaked_top_outside_window", "flat_topk_limited"]
 SEEDS = [0, 1, 2, 1234]
 P_MIN = 1e-3  # chi-square acceptance, fixed seeds so the outcome is deterministic
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

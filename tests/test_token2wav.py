@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from async_cosyvoice.model_dir import load_model_dir
-from async_cosyvoice.models.hift import HiFT, NSFNoise
+from async_cosyvoice.models.hift import NSFNoise
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream, crossfade
 
 torch.set_num_threads(1)
@@ -16,16 +15,6 @@ BATCH_ATOL = 2e-5    # batched vs single HiFT calls
 RUNS = ["nonstream", "stream_hop25", "stream_hop15", "stream_hop25_p16"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_dir):
-    return load_model_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def hift(model_dir):
-    m = HiFT(model_dir.dims.hift).eval()
-    m.load_state_dict(model_dir.hift_state_dict(), strict=True)
-    return m
 
 
 def load_run(golden_dir, run):
