@@ -1,14 +1,36 @@
 """Synthesizer: one async generator per request, every mode as data.
 
-(Interface first; the implementation lands with the synthesizer issue.)
+The request types (Mode, Audio, SynthesisOptions, SynthesisRequest, AudioChunk) are what flows
+in and out; `Synthesizer` wires text frontend -> engine -> token2wav batcher for each request, and
+`SyncSynthesizer` runs one on a background event loop for scripts.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
+import functools
+import logging
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclasses_replace
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .engine.base import EngineStats, SpeechTokenEngine
+    from .frontend.prompt import PromptEncoder, PromptFeatures
+    from .frontend.text import TextFrontend
+    from .frontend.tokenizer import TextTokenizer
+    from .model_dir import ModelDir, Models
+    from .speakers import SpeakerRecord, SpeakerStore
+    from .token2wav_batcher import Token2WavBatcher
+
+log = logging.getLogger(__name__)
 
 
 class Mode(str, enum.Enum):
@@ -72,26 +94,6 @@ class AudioChunk:
 # ---------------------------------------------------------------------------------------------
 # The synthesizer
 # ---------------------------------------------------------------------------------------------
-
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import functools  # noqa: E402
-import logging  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from typing import TYPE_CHECKING, AsyncIterator, Iterator  # noqa: E402
-
-if TYPE_CHECKING:
-    from .config import Config
-    from .engine.base import EngineStats, SpeechTokenEngine
-    from .frontend.prompt import PromptEncoder, PromptFeatures
-    from .frontend.text import TextFrontend
-    from .frontend.tokenizer import TextTokenizer
-    from .model_dir import ModelDir, Models
-    from .speakers import SpeakerRecord, SpeakerStore
-    from .token2wav_batcher import Token2WavBatcher
-
-log = logging.getLogger(__name__)
 
 ENDOFPROMPT = "<|endofprompt|>"
 SPEED_RANGE = (0.5, 2.0)
@@ -511,5 +513,3 @@ class SyncSynthesizer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-from dataclasses import replace as dataclasses_replace  # noqa: E402
