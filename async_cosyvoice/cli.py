@@ -182,22 +182,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_synthesize)
 
     p = sub.add_parser("speakers", help="manage the local speaker store")
-    _common(p)
     ssub = p.add_subparsers(dest="action", required=True)
-    q = ssub.add_parser("add")
+
+    def action(name: str, **kw) -> argparse.ArgumentParser:
+        q = ssub.add_parser(name, **kw)
+        _common(q, engine=name == "add")  # the options may follow the action
+        return q
+
+    q = action("add", help="register a speaker from prompt audio + its transcript")
     q.add_argument("id")
     q.add_argument("--prompt-wav", type=Path, required=True)
     q.add_argument("--prompt-text", required=True)
     q.add_argument("--overwrite", action="store_true")
-    ssub.add_parser("list")
-    q = ssub.add_parser("show")
-    q.add_argument("id")
-    q = ssub.add_parser("rm")
-    q.add_argument("id")
-    q = ssub.add_parser("import", help="import an upstream spk2info.pt")
+    action("list")
+    action("show").add_argument("id")
+    action("rm").add_argument("id")
+    q = action("import", help="import an upstream spk2info.pt")
     q.add_argument("file", type=Path)
     q.add_argument("--overwrite", action="store_true")
-    q = ssub.add_parser("export", help="export to an upstream spk2info.pt")
+    q = action("export", help="export to an upstream spk2info.pt")
     q.add_argument("file", type=Path)
     q.add_argument("ids", nargs="*")
     p.set_defaults(func=cmd_speakers)
@@ -227,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .model_dir import ModelDirError
+
     try:
         return args.func(args)
-    except CosyVoiceError as e:
+    except (CosyVoiceError, ModelDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

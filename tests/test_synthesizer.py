@@ -147,3 +147,24 @@ def test_register_rejects_duplicates_and_bad_ids(synth, prompt):
         synth.register_speaker("reg", "again", prompt)
     with pytest.raises(InvalidRequest):
         synth.register_speaker("../etc", "x", prompt)
+
+
+@pytest.mark.slow
+def test_full_size_random_model_synthesizes_on_cpu(tmp_path, prompt):
+    """The official dimensions end to end on CPU: generate, load strictly, speak 20 tokens."""
+    import shutil
+
+    from async_cosyvoice.tools.make_random_model import make_random_model
+
+    model = make_random_model("cosyvoice2-0.5b", tmp_path / "full", seed=0)
+    try:
+        config = Config.model_validate({"model": {"dir": str(model)}, "speakers": {"dir": str(tmp_path / "spk")}})
+        with SyncSynthesizer(config) as full:
+            assert full.synth.dims.lm.qwen.num_layers == 24
+            request = SynthesisRequest(Mode.CROSS_LINGUAL, text="Hello there.", prompt_audio=prompt,
+                                       options=SynthesisOptions(stream=True, seed=0, max_tokens=20))
+            tokens, audio = _check_chunks(list(full.synthesize(request)))
+        assert len(tokens) == 20 and len(audio) == 20 * SAMPLES_PER_TOKEN
+        assert np.abs(audio).max() > 0
+    finally:
+        shutil.rmtree(tmp_path / "full", ignore_errors=True)
