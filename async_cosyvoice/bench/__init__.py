@@ -1,0 +1,63 @@
+"""Benchmark client: a closed-loop concurrency sweep of streaming synthesis, in-process or over gRPC.
+
+    async-cosyvoice bench --in-process --concurrency 1,2,4,8 --requests 8 --tokens 250 --out r.json
+    async-cosyvoice bench --target 127.0.0.1:50051 --concurrency 1,4,16 --requests 32 --out r.json
+    async-cosyvoice bench --in-process --t2w-compare 32 --tokens 250 --out r.json
+
+Workload. Every request speaks the same text with a registered speaker (by default "bench",
+registered first from a generated 6 s prompt wav, or from `--prompt-wav`), streaming, with seed
+`--seed + i` for the i-th request of a level (so every level runs the same requests) and, with
+`--tokens N`, exactly N speech tokens (EOS ignored until then): random-weight models give
+reproducible workloads, N x 40 ms of audio per request.
+
+Closed loop. At concurrency C, C workers each send a request, wait for its last chunk and send
+the next, until the level's requests (at least C) are done; `--max-level-seconds` stops sending
+new ones after that long.
+
+Per request (times from sending the request):
+- first chunk: until the first chunk with audio arrives;
+- second chunk: between the first and the second chunk's arrival (the Triton client's metric);
+- total: until the last chunk arrives;
+- underruns: playback starts when the first chunk arrives and plays without pausing, so chunk
+  k is due at first_arrival + (audio seconds in chunks 0..k-1); a chunk that arrives after
+  its due time is an underrun. `stall_s` is the silence a listener hears, with a player that
+  pauses while it has nothing to play: the largest lateness of any chunk;
+- audio seconds and RTF (total / audio seconds).
+Per level: avg/std/min/p50/p90/p95/p99/max of each latency and of the per-request RTF; the
+aggregate RTF (level wall time / audio seconds of all requests), audio seconds per second, and
+the underrun totals. In-process, also where the device time went: busy seconds and calls of the
+LLM engine's steps and of the token2wav batches (`stages`).
+
+`--t2w-compare C` (in-process only): the token2wav stage alone on fixed random token lists,
+C streams at once on the streaming chunk schedule, no LLM: once through a batching
+`Token2WavBatcher` and once one job at a time (`batching=False`), in the same run; reports both
+throughputs (audio seconds per second) and their ratio.
+
+Output: a JSON file (`--out`), PNG plots next to it (latency and throughput vs concurrency,
+matplotlib with the Agg backend, skipped with a message when matplotlib is missing), a table on
+stdout and a progress line on stderr.
+
+Over gRPC, `--tokens` travels as `SynthesisOptions.max_tokens` (the server caps it with
+`limits.max_forced_tokens`); a server without that field refuses `--tokens`.
+"""
+
+from .cli import add_arguments, main, parse_int_list
+from .metrics import PERCENTILES, RequestResult, summarize, summarize_level, underruns
+from .plots import write_plots
+from .progress import Progress
+from .report import environment, format_t2w, format_table, write_json
+from .runner import bench_grpc, bench_in_process, run_level, run_request, run_sweep, warm_up
+from .stages import StageTimer, time_synthesizer_stages
+from .t2w_compare import token2wav_compare
+from .targets import GrpcTarget, InProcessTarget, Target, register_grpc, register_in_process
+from .workload import DEFAULT_PROMPT_TEXT, DEFAULT_SPEAKER, DEFAULT_TEXT, SECONDS_PER_TOKEN, SpeakerSpec, Workload
+from .workload import requests_per_level, synthetic_prompt
+
+__all__ = [
+    "DEFAULT_PROMPT_TEXT", "DEFAULT_SPEAKER", "DEFAULT_TEXT", "PERCENTILES", "SECONDS_PER_TOKEN",
+    "GrpcTarget", "InProcessTarget", "Progress", "RequestResult", "SpeakerSpec", "StageTimer", "Target", "Workload",
+    "add_arguments", "bench_grpc", "bench_in_process", "environment", "format_t2w", "format_table", "main",
+    "parse_int_list", "register_grpc", "register_in_process", "requests_per_level", "run_level", "run_request",
+    "run_sweep", "summarize", "summarize_level", "synthetic_prompt", "time_synthesizer_stages", "token2wav_compare",
+    "underruns", "warm_up", "write_json", "write_plots",
+]

@@ -1,0 +1,134 @@
+"""token2wav alone: C streams of random speech tokens on the streaming chunk schedule, batched vs
+one job at a time, in the same run."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import numpy as np
+
+from .metrics import RequestResult, summarize_level
+from .progress import Progress
+
+if TYPE_CHECKING:
+    from ..tts import Synthesizer
+
+
+def _t2w_schedule(synth: "Synthesizer", first_hop: int | None):
+    """The chunk schedule `Synthesizer` uses for a streamed request."""
+    from ..token2wav import ChunkSchedule
+    from ..tts import SynthesisOptions
+
+    dims = synth.dims
+    return ChunkSchedule(first_hop=first_hop or SynthesisOptions().first_hop,
+                         max_hop_multiple=synth.config.token2wav.max_hop_multiple, prompt_align=1,
+                         pre_lookahead=dims.flow.pre_lookahead_len, token_mel_ratio=dims.token_mel_ratio,
+                         samples_per_frame=dims.hift.samples_per_frame)
+
+
+async def _t2w_round(synth: "Synthesizer", batcher, voice, token_lists: Sequence[np.ndarray], schedule,
+                     seed: int) -> dict:
+    import torch
+
+    from ..token2wav import Token2WavStream
+
+    prompt_token = torch.from_numpy(np.array(voice.flow_prompt_speech_token, np.int32)).reshape(1, -1)
+    prompt_feat = torch.from_numpy(np.array(voice.prompt_speech_feat, np.float32))[None]
+    embedding = torch.from_numpy(np.array(voice.flow_embedding, np.float32)).reshape(1, -1)
+    rate = synth.sample_rate
+    t0 = time.monotonic()
+
+    async def drive(i: int, tokens: np.ndarray) -> RequestResult:
+        stream = Token2WavStream(prompt_token, prompt_feat, embedding, stream=True, schedule=schedule,
+                                 noise=synth._noise(seed + i, 0))
+        token_list = tokens.tolist()
+        start = time.monotonic()
+        result = RequestResult(index=i, seed=seed + i, start_s=start - t0, total_s=0.0)
+        first_at, samples = None, 0
+        while (job := stream.next_job(token_list, llm_done=True)) is not None:
+            deadline = time.monotonic() if first_at is None else first_at + samples / rate
+            out = await batcher.submit(job, deadline)
+            now = time.monotonic()
+            first_at = now if first_at is None else first_at
+            samples += int(out.numel())
+            if out.numel():
+                result.arrivals_s.append(now - start)
+                result.chunk_audio_s.append(out.numel() / rate)
+        result.total_s = time.monotonic() - start
+        return result
+
+    results = await asyncio.gather(*(drive(i, t) for i, t in enumerate(token_lists)))
+    wall = time.monotonic() - t0
+    level = summarize_level(len(token_lists), results, wall, detail=False)
+    level["batcher"] = _batcher_stats(batcher)
+    return level
+
+
+def _batcher_stats(batcher) -> dict:
+    stats = getattr(batcher, "stats", None)
+    if stats is None:
+        return {}
+    if dataclasses.is_dataclass(stats):
+        stats = dataclasses.asdict(stats)
+    elif not isinstance(stats, Mapping):
+        stats = vars(stats)
+    out = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+    if out.get("batches"):
+        out["mean_batch"] = out.get("jobs", 0) / out["batches"]
+    return out
+
+
+async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int, speaker_id: str, *,
+                            seed: int = 0, first_hop: int | None = None, max_batch: int | None = None,
+                            warmup: bool = True, progress: Progress | None = None,
+                            target_speedup: float = 8.0) -> dict:
+    """The token2wav stage alone at `concurrency` streams of `tokens` random speech tokens each
+    (prompt: the registered speaker's), batched vs one job at a time, in this run.
+
+    Both modes use the synthesizer's own Token2WavRunner through a fresh Token2WavBatcher; the
+    synthesizer must be idle meanwhile. Throughput = audio seconds rendered / wall seconds."""
+    from ..frontend.model_input import build_model_input
+    from ..frontend.prompt import PromptFeatures
+    from ..token2wav_batcher import Token2WavBatcher
+    from ..tts import Mode
+
+    record = synth.speakers.get(speaker_id)
+    voice = build_model_input(Mode.ZERO_SHOT_BY_SPK_ID,
+                              PromptFeatures(record.speech_tokens, record.speech_feat, record.embedding),
+                              text_tokens=(0,), prompt_text_tokens=tuple(int(t) for t in record.prompt_text_tokens))
+    rng = np.random.default_rng(seed)
+    vocab = synth.dims.flow.vocab_size
+    token_lists = [rng.integers(0, vocab, tokens, dtype=np.int64) for _ in range(concurrency)]
+    schedule = _t2w_schedule(synth, first_hop)
+    runner = synth.batcher.runner
+    batch_size = max_batch or max(concurrency, synth.config.token2wav.max_batch)
+    modes = {"batched": dict(max_batch=batch_size, batching=True), "sequential": dict(max_batch=1, batching=False)}
+    out: dict = {"concurrency": concurrency, "tokens": tokens, "prompt_tokens": int(record.speech_tokens.size),
+                 "first_hop": schedule.first_hop, "max_batch": batch_size}
+    warm_tokens = schedule.first_hop + schedule.pre_lookahead + 2 * schedule.first_hop
+    for name, kwargs in modes.items():
+        if warmup:  # a throw-away batcher: first calls of each shape allocate and tune
+            if progress:
+                progress.note(f"token2wav {name}: warm-up")
+            batcher = Token2WavBatcher(runner, **kwargs)
+            try:
+                await _t2w_round(synth, batcher, voice, [t[:warm_tokens] for t in token_lists], schedule, seed)
+            finally:
+                await batcher.close()
+        if progress:
+            progress.note(f"token2wav {name}: {concurrency} streams x {tokens} tokens")
+        batcher = Token2WavBatcher(runner, **kwargs)
+        try:
+            out[name] = await _t2w_round(synth, batcher, voice, token_lists, schedule, seed)
+        finally:
+            await batcher.close()
+        if progress:
+            progress.note(f"token2wav {name}: {out[name]['audio_s_per_s']:.2f} audio s/s, "
+                          f"wall {out[name]['wall_s']:.2f} s")
+    b, s = out["batched"]["audio_s_per_s"], out["sequential"]["audio_s_per_s"]
+    out["speedup"] = b / s if b and s else None
+    out["target_speedup"] = target_speedup
+    out["met"] = out["speedup"] is not None and out["speedup"] >= target_speedup
+    return out

@@ -1,0 +1,1 @@
+"""The pieces of `tools/make_random_model.py`: presets, weights, the recipe, the tokenizer, ONNX stand-ins."""

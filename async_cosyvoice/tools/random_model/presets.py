@@ -1,0 +1,42 @@
+"""Random model presets: the dims of a directory plus the few knobs of its random init."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from async_cosyvoice.models.dims import EncoderDims, EstimatorDims, FlowDims, HiFTDims, LMDims, ModelDims, Qwen2Dims
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    dims: ModelDims
+    bpe_vocab: int  # entries of vocab.json; the specials follow
+    campplus_hidden: int
+    s3tok_hidden: int
+    eos_logit_boost: float = 4.0  # in units of the llm_decoder logit std
+    f0_hz: float = 150.0  # HiFT F0 predictor output (voiced source)
+    magnitude: float = 0.05  # HiFT initial STFT magnitude
+    mel_mean: float = -5.0  # level of the flow's mels (a natural log-mel level)
+
+
+def _tiny_dims() -> ModelDims:
+    qwen = Qwen2Dims(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     vocab_size=1024)
+    base = ModelDims()
+    return replace(
+        base,
+        lm=LMDims(qwen=qwen, llm_input_size=64, llm_output_size=64),
+        flow=FlowDims(
+            encoder=EncoderDims(linear_units=64, num_blocks=1),
+            estimator=EstimatorDims(channels=(64,), attention_head_dim=16, n_blocks=1, num_mid_blocks=2,
+                                    num_heads=2),
+        ),
+        hift=HiFTDims(base_channels=32, f0_cond_channels=32),
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset("tiny", _tiny_dims(), bpe_vocab=1000, campplus_hidden=32, s3tok_hidden=16),
+    "cosyvoice2-0.5b": Preset("cosyvoice2-0.5b", ModelDims(), bpe_vocab=1000, campplus_hidden=64,
+                              s3tok_hidden=64),
+}
