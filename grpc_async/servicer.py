@@ -1,0 +1,481 @@
+"""The CosyVoice RPCs: protobuf requests -> `SynthesisRequest`s -> `AudioChunk` messages.
+
+The servicer iterates `Synthesizer.synthesize(...)` and writes `AudioChunk` messages. When a client
+goes away or its deadline passes, grpc cancels the handler task; the CancelledError unwinds through
+the `finally` that closes the synthesizer's iterator, which aborts the engine request. Errors map
+to status codes (`status_for`); every RPC ends in one structured log line and its metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import grpc
+import numpy as np
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from async_cosyvoice.config import Config
+from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Overloaded,
+                                   SpeakerExists, SpeakerNotFound, Unsupported)
+from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speaker_id
+from async_cosyvoice.tts import Audio, Mode, SynthesisOptions, SynthesisRequest
+
+from ._stubs import load as _load_stubs
+from .encoding import MAX_CHUNK_BYTES, AudioEncoder, _Output
+from .metrics import Metrics
+from .sentences import SentenceSplitter
+
+if TYPE_CHECKING:
+    from async_cosyvoice.tts import Synthesizer
+
+pb2, pb2_grpc = _load_stubs()
+log = logging.getLogger("grpc_async.server")  # one logger for the whole service
+
+NATIVE_SAMPLE_RATE = 24000
+MIN_OUTPUT_RATE, MAX_OUTPUT_RATE = 8000, 192000
+MIN_SPEED, MAX_SPEED = 0.5, 2.0
+TOKENS_PER_SECOND = 25         # speech tokens per second of audio (CosyVoice2)
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+_STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (SpeakerNotFound, grpc.StatusCode.NOT_FOUND),
+    (SpeakerExists, grpc.StatusCode.ALREADY_EXISTS),
+    (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_for(error: CosyVoiceError) -> grpc.StatusCode:
+    for cls, code in _STATUS_OF:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class _Call:
+    """Per-RPC bookkeeping: what goes into the RPC's log line and metrics."""
+
+    def __init__(self, method: str, context: grpc.aio.ServicerContext):
+        self.method = method
+        self.context = context
+        self.start = time.perf_counter()
+        self.mode = "-"
+        self.request_id = "-"
+        self.speaker_id = ""
+        self.stream: bool | None = None
+        self.status = "OK"
+        self.detail = ""
+        self.first_chunk_at: float | None = None
+        self.clock_start = self.start  # first-chunk latency reference (StreamSynthesize: first text)
+        self.tokens = 0
+        self.audio_seconds = 0.0
+        self.chunks = 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def wrote(self, chunk: pb2.AudioChunk) -> None:
+        self.chunks += 1
+        if self.first_chunk_at is None and chunk.num_samples:
+            self.first_chunk_at = time.perf_counter()
+
+    @property
+    def first_chunk_latency(self) -> float | None:
+        return None if self.first_chunk_at is None else self.first_chunk_at - self.clock_start
+
+    def summary(self, audio_seconds: float) -> pb2.SynthesisSummary:
+        now = time.perf_counter()
+        total = now - self.start
+        first = self.first_chunk_latency
+        if first is None:  # the summary rides on the first chunk with audio (non-stream)
+            first = now - self.clock_start
+        return pb2.SynthesisSummary(
+            request_id=self.request_id, speech_tokens=self.tokens, audio_seconds=audio_seconds,
+            first_chunk_latency_seconds=first, total_seconds=total,
+            rtf=total / audio_seconds if audio_seconds > 0 else 0.0)
+
+
+def _decode_audio(msg: pb2.AudioData, what: str, max_seconds: float, limit_name: str) -> Audio:
+    from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
+
+    which = msg.WhichOneof("source")
+    try:
+        if which == "file":
+            audio = load_audio(msg.file)
+        elif which == "pcm":
+            pcm = msg.pcm
+            encodings = {pb2.PCM_ENCODING_S16LE: "s16le", pb2.PCM_ENCODING_F32LE: "f32le"}
+            if pcm.encoding not in encodings:
+                raise InvalidRequest(f"{what}.pcm.encoding must be PCM_ENCODING_S16LE or "
+                                     f"PCM_ENCODING_F32LE, got {pcm.encoding}")
+            if pcm.sample_rate == 0:
+                raise InvalidRequest(f"{what}.pcm.sample_rate is required (Hz)")
+            audio = pcm_to_audio(pcm.data, pcm.sample_rate, encodings[pcm.encoding], pcm.channels or 1)
+        else:
+            raise InvalidRequest(f"{what} is missing: set {what}.file (wav/flac/ogg bytes) or "
+                                 f"{what}.pcm (raw samples with encoding and sample_rate)")
+    except InvalidRequest as e:
+        msg_text = str(e)
+        raise InvalidRequest(msg_text if msg_text.startswith(what) else f"{what}: {msg_text}") from None
+    if audio.seconds > max_seconds:
+        raise InvalidRequest(f"{what} is {audio.seconds:.2f} s long; the limit is {max_seconds:g} s "
+                             f"(limits.{limit_name})")
+    return audio
+
+
+class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
+    def __init__(self, config: Config, metrics: Metrics):
+        self.config = config
+        self.limits = config.limits
+        self.metrics = metrics
+        self.synth: Synthesizer | None = None
+        self.closing = False
+        self.active = 0
+        self.idle = asyncio.Event()  # set while no synthesis stream runs
+        self.idle.set()
+
+    # ---- state ----
+
+    def _synth(self) -> "Synthesizer":
+        if self.closing:
+            raise NotReady("the server is shutting down; retry on another instance")
+        if self.synth is None or not getattr(self.synth, "ready", True):
+            raise NotReady("the model is still loading; retry when health reports SERVING")
+        return self.synth
+
+    @contextlib.asynccontextmanager
+    async def _stream_slot(self):
+        if self.active >= self.limits.max_concurrent_streams:
+            self.metrics.rejected.inc()
+            raise Overloaded(f"{self.limits.max_concurrent_streams} synthesis streams are already "
+                             "running (limits.max_concurrent_streams); retry later")
+        self.active += 1
+        self.idle.clear()
+        self.metrics.active_streams.inc()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self.metrics.active_streams.dec()
+            if not self.active:
+                self.idle.set()
+
+    async def _fail(self, call: _Call, error: BaseException) -> None:
+        """Turn an exception into a status (and re-raise what grpc must see)."""
+        if isinstance(error, asyncio.CancelledError):
+            try:
+                remaining = call.context.time_remaining()
+            except Exception:  # the call may already be torn down
+                remaining = None
+            call.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            raise error
+        if isinstance(error, grpc.aio.AbortError):
+            raise error
+        if isinstance(error, CosyVoiceError):
+            code, message = status_for(error), str(error)
+        else:
+            log.exception("rpc method=%s id=%s failed", call.method, call.request_id)
+            code = grpc.StatusCode.INTERNAL
+            message = f"internal error (request id {call.request_id}); see the server log"
+        call.status, call.detail = code.name, message
+        await call.context.abort(code, message)
+
+    def _finish(self, call: _Call) -> None:
+        elapsed = call.elapsed()
+        m = self.metrics
+        m.requests.labels(call.method, call.mode, call.status).inc()
+        m.request_duration.labels(call.method).observe(elapsed)
+        first = call.first_chunk_latency
+        stream = "-" if call.stream is None else str(call.stream).lower()
+        if call.chunks and call.status == "OK":
+            if first is not None:
+                m.first_chunk_latency.labels(call.mode, stream).observe(first)
+            if call.audio_seconds > 0:
+                m.rtf.labels(call.mode, stream).observe(elapsed / call.audio_seconds)
+            m.audio_seconds.labels(call.mode).inc(call.audio_seconds)
+            m.speech_tokens.labels(call.mode).inc(call.tokens)
+        level = logging.INFO if call.status in ("OK", "CANCELLED") else logging.WARNING
+        log.log(level,
+                "rpc method=%s id=%s mode=%s stream=%s status=%s latency_ms=%.1f first_chunk_ms=%s "
+                "audio_s=%.3f tokens=%d chunks=%d peer=%s%s%s",
+                call.method, call.request_id, call.mode, stream, call.status, elapsed * 1e3,
+                "-" if first is None else f"{first * 1e3:.1f}", call.audio_seconds, call.tokens,
+                call.chunks, call.context.peer(), f" speaker={call.speaker_id!r}" if call.speaker_id else "",
+                f" detail={call.detail!r}" if call.detail else "")
+
+    # ---- request conversion ----
+
+    def _request_id(self, given: str) -> str:
+        if not given:
+            return uuid.uuid4().hex
+        if not _REQUEST_ID_RE.fullmatch(given):
+            raise InvalidRequest("request_id must be 1-64 characters from A-Z a-z 0-9 _ . -")
+        return given
+
+    def _options(self, o: pb2.SynthesisOptions) -> tuple[SynthesisOptions, _Output]:
+        speed = o.speed if o.HasField("speed") else 1.0
+        if not math.isfinite(speed) or not MIN_SPEED <= speed <= MAX_SPEED:
+            raise InvalidRequest(f"options.speed must be in [{MIN_SPEED}, {MAX_SPEED}] "
+                                 f"(leave it unset for 1.0), got {speed:g}")
+        if speed != 1.0 and o.stream:
+            raise InvalidRequest("options.speed != 1 needs options.stream = false: speed is applied "
+                                 "to the mel of a whole utterance")
+        if o.encoding not in pb2.AudioEncoding.values():
+            raise InvalidRequest(f"options.encoding {o.encoding} is not a known AudioEncoding "
+                                 f"(PCM16 = 1, FLOAT32 = 2, WAV = 3)")
+        rate = o.sample_rate or self._native_rate()
+        if not MIN_OUTPUT_RATE <= rate <= MAX_OUTPUT_RATE:
+            raise InvalidRequest(f"options.sample_rate must be 0 (native {self._native_rate()} Hz) or "
+                                 f"{MIN_OUTPUT_RATE}..{MAX_OUTPUT_RATE} Hz, got {rate}")
+        options = SynthesisOptions(
+            stream=o.stream, speed=speed,
+            text_frontend=o.text_frontend if o.HasField("text_frontend") else True,
+            seed=o.seed if o.HasField("seed") else None,
+            max_tokens=self._max_tokens(o),
+            first_hop=self.config.token2wav.first_hop)
+        return options, _Output(o.encoding or pb2.AUDIO_ENCODING_PCM16, rate, o.stream)
+
+    def _max_tokens(self, o) -> int | None:
+        if not o.HasField("max_tokens"):
+            return None
+        limit = self.config.limits.max_forced_tokens
+        if not 1 <= o.max_tokens <= limit:
+            raise InvalidRequest(f"options.max_tokens must be in 1..{limit}, got {o.max_tokens}")
+        return o.max_tokens
+
+    def _native_rate(self) -> int:
+        return getattr(self.synth, "sample_rate", None) or NATIVE_SAMPLE_RATE
+
+    def _check_text(self, text: str, what: str = "text") -> str:
+        if not text.strip():
+            raise InvalidRequest(f"{what} is empty")
+        if len(text) > self.limits.max_text_chars:
+            raise InvalidRequest(f"{what} is {len(text)} characters long; the limit is "
+                                 f"{self.limits.max_text_chars} (limits.max_text_chars)")
+        return text
+
+    def _prompt(self, msg: pb2.AudioData, what: str) -> Audio:
+        return _decode_audio(msg, what, self.limits.max_prompt_seconds, "max_prompt_seconds")
+
+    def _voice(self, mode: str, voice) -> dict:
+        """SynthesisRequest fields for a mode message (decodes audio: call in a worker thread)."""
+        if mode == "zero_shot":
+            return dict(prompt_text=self._check_text(voice.prompt_text, "zero_shot.prompt_text"),
+                        prompt_audio=self._prompt(voice.prompt_audio, "zero_shot.prompt_audio"))
+        if mode == "cross_lingual":
+            return dict(prompt_audio=self._prompt(voice.prompt_audio, "cross_lingual.prompt_audio"))
+        if mode == "instruct2":
+            return dict(instruct_text=self._check_text(voice.instruct_text, "instruct2.instruct_text"),
+                        prompt_audio=self._prompt(voice.prompt_audio, "instruct2.prompt_audio"))
+        if mode in ("sft", "zero_shot_by_spk_id"):
+            return dict(speaker_id=validate_speaker_id(voice.speaker_id, f"{mode}.speaker_id"))
+        if mode == "instruct2_by_spk_id":
+            return dict(speaker_id=validate_speaker_id(voice.speaker_id, f"{mode}.speaker_id"),
+                        instruct_text=self._check_text(voice.instruct_text, f"{mode}.instruct_text"))
+        if mode == "vc":
+            return dict(
+                source_audio=_decode_audio(voice.source_audio, "vc.source_audio",
+                                           self.limits.max_source_seconds, "max_source_seconds"),
+                prompt_audio=self._prompt(voice.prompt_audio, "vc.prompt_audio"))
+        raise InvalidRequest("no mode set: set one of zero_shot, cross_lingual, instruct2, sft, "
+                             "zero_shot_by_spk_id, instruct2_by_spk_id, vc")
+
+    def _synthesis_request(self, request: pb2.SynthesizeRequest, request_id: str
+                           ) -> tuple[SynthesisRequest, _Output]:
+        mode = request.WhichOneof("mode")
+        options, output = self._options(request.options)
+        fields = self._voice(mode, getattr(request, mode) if mode else None)
+        if mode == "vc":
+            if request.text:
+                raise InvalidRequest("vc converts source_audio and takes no text; leave text empty")
+        else:
+            self._check_text(request.text)
+        return SynthesisRequest(mode=Mode(mode), text=request.text, options=options,
+                                request_id=request_id, **fields), output
+
+    # ---- synthesis ----
+
+    def _encoder(self, synth: "Synthesizer", output: _Output) -> AudioEncoder:
+        return AudioEncoder(output.encoding, synth.sample_rate, output.sample_rate, output.stream,
+                            min(MAX_CHUNK_BYTES, self.limits.max_message_bytes - 4096))
+
+    async def _emit(self, call: _Call, out: AudioEncoder, samples: np.ndarray, final: bool) -> None:
+        for msg in out.push(samples, final):
+            if msg.is_final:
+                msg.summary.CopyFrom(call.summary(out.seconds))
+                call.audio_seconds = out.seconds
+            await call.context.write(msg)
+            call.wrote(msg)
+
+    async def _speak(self, synth: "Synthesizer", request: SynthesisRequest, call: _Call,
+                     out: AudioEncoder, last: bool) -> None:
+        """Write the chunks of one synthesis; the final one is final only when `last`."""
+        chunks = synth.synthesize(request)
+        try:
+            async for chunk in chunks:
+                if chunk.is_final:
+                    call.tokens += int(chunk.n_tokens)
+                await self._emit(call, out, chunk.samples, chunk.is_final and last)
+                if chunk.is_final:
+                    break
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()  # aborts the engine request when we stop early
+
+    async def Synthesize(self, request: pb2.SynthesizeRequest, context) -> None:
+        call = _Call("Synthesize", context)
+        call.mode = request.WhichOneof("mode") or "-"
+        call.stream = request.options.stream
+        try:
+            call.request_id = self._request_id(request.request_id)
+            await context.send_initial_metadata((("x-request-id", call.request_id),))
+            synth = self._synth()
+            async with self._stream_slot():
+                req, output = await asyncio.to_thread(self._synthesis_request, request, call.request_id)
+                out = self._encoder(synth, output)
+                await self._speak(synth, req, call, out, last=True)
+                if not out.finished:  # the synthesizer ended without a final chunk
+                    await self._emit(call, out, np.zeros(0, np.float32), True)
+        except BaseException as e:  # noqa: B036 - re-raised by _fail
+            await self._fail(call, e)
+        finally:
+            self._finish(call)
+
+    async def StreamSynthesize(self, request_iterator, context) -> None:
+        call = _Call("StreamSynthesize", context)
+        reader: asyncio.Task | None = None
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None or first.WhichOneof("message") != "config":
+                raise InvalidRequest("the first StreamSynthesize message must be a config "
+                                     "(voice and options); text pieces follow it")
+            config = first.config
+            call.mode = config.WhichOneof("mode") or "-"
+            call.stream = config.options.stream
+            call.request_id = self._request_id(config.request_id)
+            await context.send_initial_metadata((("x-request-id", call.request_id),))
+            synth = self._synth()
+            async with self._stream_slot():
+                base, output = await asyncio.to_thread(self._stream_template, config, call.request_id)
+                if base.speaker_id and not await asyncio.to_thread(synth.speakers.exists, base.speaker_id):
+                    raise SpeakerNotFound(f"speaker {base.speaker_id!r} not found")
+                out = self._encoder(synth, output)
+                sentences: asyncio.Queue = asyncio.Queue()
+                reader = asyncio.create_task(self._read_pieces(request_iterator, sentences, call))
+                n = 0
+                while (item := await sentences.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    request = dataclasses.replace(base, text=item, request_id=f"{call.request_id}.{n}")
+                    await self._speak(synth, request, call, out, last=False)
+                    n += 1
+                if n == 0:
+                    raise InvalidRequest("no text was received (or only punctuation)")
+                await self._emit(call, out, np.zeros(0, np.float32), True)
+        except BaseException as e:  # noqa: B036 - re-raised by _fail
+            await self._fail(call, e)
+        finally:
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+            self._finish(call)
+
+    def _stream_template(self, config: pb2.StreamConfig, request_id: str) -> tuple[SynthesisRequest, _Output]:
+        mode = config.WhichOneof("mode")
+        options, output = self._options(config.options)
+        fields = self._voice(mode, getattr(config, mode) if mode else None)
+        return SynthesisRequest(mode=Mode(mode), text="", options=options, request_id=request_id,
+                                **fields), output
+
+    async def _read_pieces(self, request_iterator, sentences: asyncio.Queue, call: _Call) -> None:
+        """Reader task: text pieces -> complete sentences on the queue; None at the end."""
+        splitter = SentenceSplitter(min(200, self.limits.max_text_chars))
+        total = 0
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("message")
+                if kind == "text":
+                    if total == 0:
+                        call.clock_start = time.perf_counter()
+                    total += len(msg.text)
+                    for s in splitter.feed(msg.text):
+                        sentences.put_nowait(s)
+                elif kind == "end":
+                    break
+                elif kind == "config":
+                    raise InvalidRequest("config may be sent only once, as the first message")
+                else:
+                    raise InvalidRequest("empty StreamSynthesizeRequest: set text or end")
+            for s in splitter.flush():
+                sentences.put_nowait(s)
+            sentences.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: B036 - handed to the writer
+            sentences.put_nowait(e)
+
+    # ---- speakers ----
+
+    def _speaker(self, item: SpeakerInfo | SpeakerRecord) -> pb2.Speaker:
+        info = item.info if isinstance(item, SpeakerRecord) else item
+        created = Timestamp()
+        created.FromNanoseconds(int(info.created_at * 1e9))
+        kind = pb2.SPEAKER_KIND_ZERO_SHOT if info.kind == "zero_shot" else pb2.SPEAKER_KIND_SFT
+        return pb2.Speaker(speaker_id=info.speaker_id, kind=kind, prompt_text=info.prompt_text,
+                           prompt_speech_tokens=info.n_speech_tokens,
+                           prompt_seconds=info.n_speech_tokens / TOKENS_PER_SECOND, created_at=created)
+
+    async def _unary(self, method: str, context, body: Callable[[_Call], Awaitable], speaker_id: str = ""):
+        call = _Call(method, context)
+        call.request_id = uuid.uuid4().hex
+        call.speaker_id = speaker_id[:80]
+        try:
+            return await body(call)
+        except BaseException as e:  # noqa: B036 - re-raised by _fail
+            await self._fail(call, e)
+        finally:
+            self._finish(call)
+
+    async def RegisterSpeaker(self, request: pb2.RegisterSpeakerRequest, context) -> pb2.Speaker:
+        async def body(call: _Call):
+            synth = self._synth()
+            speaker_id = validate_speaker_id(request.speaker_id)
+            prompt_text = self._check_text(request.prompt_text, "prompt_text")
+            audio = await asyncio.to_thread(self._prompt, request.prompt_audio, "prompt_audio")
+            record = await synth.register_speaker(speaker_id, prompt_text, audio, overwrite=request.overwrite)
+            return self._speaker(record)
+        return await self._unary("RegisterSpeaker", context, body, request.speaker_id)
+
+    async def GetSpeaker(self, request: pb2.GetSpeakerRequest, context) -> pb2.Speaker:
+        async def body(call: _Call):
+            store = self._synth().speakers
+            speaker_id = validate_speaker_id(request.speaker_id)
+            return self._speaker(await asyncio.to_thread(store.get, speaker_id))
+        return await self._unary("GetSpeaker", context, body, request.speaker_id)
+
+    async def ListSpeakers(self, request: pb2.ListSpeakersRequest, context) -> pb2.ListSpeakersResponse:
+        async def body(call: _Call):
+            store = self._synth().speakers
+            page = await asyncio.to_thread(store.list, request.page_size, request.page_token)
+            return pb2.ListSpeakersResponse(speakers=[self._speaker(i) for i in page.speakers],
+                                            next_page_token=page.next_page_token)
+        return await self._unary("ListSpeakers", context, body)
+
+    async def DeleteSpeaker(self, request: pb2.DeleteSpeakerRequest, context) -> pb2.DeleteSpeakerResponse:
+        async def body(call: _Call):
+            store = self._synth().speakers
+            speaker_id = validate_speaker_id(request.speaker_id)
+            await asyncio.to_thread(store.delete, speaker_id)
+            return pb2.DeleteSpeakerResponse()
+        return await self._unary("DeleteSpeaker", context, body, request.speaker_id)
