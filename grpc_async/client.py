@@ -187,23 +187,25 @@ class CosyVoiceClient:
         return self._token_md + tuple(metadata)
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
-        """Wait until the server's health check reports SERVING."""
+        """Wait until the server's health service reports SERVING (connect, then follow its Watch
+        stream: the server pushes each status change, nothing is polled)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
+        async def serving() -> None:
+            await self.channel.channel_ready()
+            watch = health_pb2_grpc.HealthStub(self.channel).Watch(health_pb2.HealthCheckRequest(service=""))
             try:
-                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-            if loop.time() > deadline:
-                raise TimeoutError(f"{self.target} not SERVING after {timeout} s")
-            await asyncio.sleep(0.2)
+                async for r in watch:
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            finally:
+                watch.cancel()
+            raise ConnectionError(f"{self.target} closed its health stream before SERVING")
+
+        try:
+            await asyncio.wait_for(serving(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.target} not SERVING after {timeout} s") from None
 
     # ---- synthesis ----
 
