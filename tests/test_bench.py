@@ -213,12 +213,10 @@ def test_bench_over_grpc(tiny_dir, tmp_path):
                                  "server": {"port": 0}})
     with ServerThread(cfg, ready_timeout=900) as st:
         speaker = bench.SpeakerSpec(prompt_seconds=1.0)
-        if not bench.GrpcTarget.supports_forced_tokens():
-            with pytest.raises(ValueError, match="max_tokens"):
-                asyncio.run(bench.bench_grpc(st.target, bench.Workload(tokens=10), [1], 1, speaker=speaker))
-        r = asyncio.run(bench.bench_grpc(st.target, bench.Workload(text="Hello there."), [1], 2, speaker=speaker,
-                                         warmup=False))
+        r = asyncio.run(bench.bench_grpc(st.target, bench.Workload(text="Hello there.", tokens=20), [1], 2,
+                                         speaker=speaker, warmup=False))
     (lv,) = r["levels"]
+    assert lv["audio_s"] == pytest.approx(2 * 20 * 0.04)  # the forced token count travelled over gRPC
     assert r["meta"]["mode"] == "grpc" and lv["errors"] == 0 and lv["requests"] == 2
     assert lv["audio_s"] > 0 and 0 < lv["first_chunk_s"]["p50"] <= lv["total_s"]["p50"]
     # the same seeds give the same workload

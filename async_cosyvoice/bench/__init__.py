@@ -38,7 +38,7 @@ matplotlib with the Agg backend, skipped with a message when matplotlib is missi
 stdout and a progress line on stderr.
 
 Over gRPC, `--tokens` travels as `SynthesisOptions.max_tokens` (the server caps it with
-`limits.max_forced_tokens`); a server without that field refuses `--tokens`.
+`limits.max_forced_tokens`).
 """
 
 from .cli import add_arguments, main, parse_int_list

@@ -130,10 +130,8 @@ async def bench_in_process(config: "Config", workload: Workload, levels: Sequenc
         target = InProcessTarget(synth)
         results = _header("in-process", workload, levels, speaker, config)
         results["meta"].update(load_s=load_s, prompt_tokens=prompt_tokens)
-        if warmup and levels:
-            results["meta"]["warmup_s"] = await warm_up(target, workload, max(levels), progress)
-        results["levels"] = await run_sweep(target, workload, levels, requests, progress=progress,
-                                            max_level_seconds=max_level_seconds, stage_timer=timer, detail=detail)
+        await _warm_and_sweep(results, target, workload, levels, requests, warmup=warmup, progress=progress,
+                              max_level_seconds=max_level_seconds, stage_timer=timer, detail=detail)
         if t2w_compare:
             results["t2w_compare"] = await token2wav_compare(
                 synth, t2w_compare, t2w_tokens or workload.tokens or 250, speaker.speaker_id, seed=workload.seed,
@@ -152,10 +150,6 @@ async def bench_grpc(target_addr: str, workload: Workload, levels: Sequence[int]
     from grpc_async.client import CosyVoiceClient
 
     progress = progress or Progress(enabled=False)
-    if workload.tokens is not None and not GrpcTarget.supports_forced_tokens():
-        raise ValueError("--tokens needs a forced token count in the gRPC API (SynthesisOptions.max_tokens), "
-                         "which this version lacks; run without --tokens (the seed fixes the workload) "
-                         "or use --in-process")
     async with CosyVoiceClient(target_addr, token=token) as client:
         await client.wait_ready()
         prompt_seconds = await register_grpc(client, speaker)
@@ -163,11 +157,19 @@ async def bench_grpc(target_addr: str, workload: Workload, levels: Sequence[int]
         target = GrpcTarget(client)
         results = _header("grpc", workload, levels, speaker, None)
         results["meta"].update(target=target_addr, prompt_seconds=prompt_seconds)
-        if warmup and levels:
-            results["meta"]["warmup_s"] = await warm_up(target, workload, max(levels), progress)
-        results["levels"] = await run_sweep(target, workload, levels, requests, progress=progress,
-                                            max_level_seconds=max_level_seconds, detail=detail)
+        await _warm_and_sweep(results, target, workload, levels, requests, warmup=warmup, progress=progress,
+                              max_level_seconds=max_level_seconds, detail=detail)
         return results
+
+
+async def _warm_and_sweep(results: dict, target: Target, workload: Workload, levels: Sequence[int], requests, *,
+                          warmup: bool, progress: Progress, max_level_seconds: float | None,
+                          stage_timer: StageTimer | None = None, detail: bool = True) -> None:
+    """The part every target shares: an untimed round at the highest level, then the sweep."""
+    if warmup and levels:
+        results["meta"]["warmup_s"] = await warm_up(target, workload, max(levels), progress)
+    results["levels"] = await run_sweep(target, workload, levels, requests, progress=progress,
+                                        max_level_seconds=max_level_seconds, stage_timer=stage_timer, detail=detail)
 
 
 def _header(mode: str, workload: Workload, levels: Sequence[int], speaker: SpeakerSpec,

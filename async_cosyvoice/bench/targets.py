@@ -44,19 +44,12 @@ class GrpcTarget:
     def __init__(self, client):
         self.client = client
 
-    @staticmethod
-    def supports_forced_tokens() -> bool:
-        from grpc_async.client import pb2
-        return "max_tokens" in pb2.SynthesisOptions.DESCRIPTOR.fields_by_name
-
     async def stream(self, workload: Workload, seed: int) -> AsyncIterator[float]:
         if workload.first_hop:
             raise ValueError("first_hop is a server setting over gRPC (token2wav.first_hop)")
         request = self.client.synthesize_request(workload.text, speaker_id=workload.speaker_id,
                                                  stream=workload.stream, seed=seed, encoding="pcm16")
         if workload.tokens is not None:
-            if not self.supports_forced_tokens():
-                raise ValueError("this server's API has no forced token count (SynthesisOptions.max_tokens)")
             request.options.max_tokens = workload.tokens
         async for chunk in self.client.synthesize(request=request):
             yield chunk.num_samples / chunk.sample_rate if chunk.sample_rate else 0.0
