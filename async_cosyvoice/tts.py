@@ -232,8 +232,10 @@ class Synthesizer:
 
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
         device = torch.device(config.model.device)
-        models = build_models(model_dir, device=device, dtype=getattr(torch, config.model.flow_dtype))
-        models.llm.to(getattr(torch, config.model.llm_dtype))
+        # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module
+        models = build_models(model_dir, device=device, dtype=getattr(torch, config.model.flow_dtype),
+                              llm_dtype=getattr(torch, config.model.llm_dtype),
+                              with_llm=config.engine.kind == "native")
         tokenizer = model_dir.tokenizer()
         try:
             text_frontend = TextFrontend(tokenizer)
