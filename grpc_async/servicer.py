@@ -24,6 +24,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Overloaded,
                                    SpeakerExists, SpeakerNotFound, Unsupported)
+from async_cosyvoice.limiter import StreamLimiter
 from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speaker_id
 from async_cosyvoice.tts import Audio, Mode, SynthesisOptions, SynthesisRequest
 
@@ -139,9 +140,9 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         self.metrics = metrics
         self.synth: Synthesizer | None = None
         self.closing = False
-        self.active = 0
-        self.idle = asyncio.Event()  # set while no synthesis stream runs
-        self.idle.set()
+        # shared with the HTTP front door: one limit for all synthesis streams of the process
+        self.limiter = StreamLimiter(config.limits.max_concurrent_streams, on_reject=metrics.rejected.inc)
+        metrics.active_streams.set_function(lambda: self.limiter.active)
 
     # ---- state ----
 
@@ -152,22 +153,18 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             raise NotReady("the model is still loading; retry when health reports SERVING")
         return self.synth
 
-    @contextlib.asynccontextmanager
-    async def _stream_slot(self):
-        if self.active >= self.limits.max_concurrent_streams:
-            self.metrics.rejected.inc()
-            raise Overloaded(f"{self.limits.max_concurrent_streams} synthesis streams are already "
-                             "running (limits.max_concurrent_streams); retry later")
-        self.active += 1
-        self.idle.clear()
-        self.metrics.active_streams.inc()
-        try:
-            yield
-        finally:
-            self.active -= 1
-            self.metrics.active_streams.dec()
-            if not self.active:
-                self.idle.set()
+    @property
+    def active(self) -> int:
+        """Synthesis streams in progress, gRPC and HTTP together."""
+        return self.limiter.active
+
+    @property
+    def idle(self) -> asyncio.Event:
+        """Set while no synthesis stream runs (either front door)."""
+        return self.limiter.idle
+
+    def _stream_slot(self):
+        return self.limiter.slot()
 
     async def _fail(self, call: _Call, error: BaseException) -> None:
         """Turn an exception into a status (and re-raise what grpc must see)."""

@@ -1,0 +1,47 @@
+"""What the HTTP routes are built from (`Backend`, shared with the gRPC front door) and who may call."""
+from __future__ import annotations
+
+import hmac
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from fastapi import Request
+
+from async_cosyvoice.config import Config
+from async_cosyvoice.limiter import StreamLimiter
+
+from .errors import UNAUTHORIZED, ApiError
+
+if TYPE_CHECKING:
+    from async_cosyvoice.tts import Synthesizer
+    from grpc_async.metrics import Metrics
+
+
+@dataclass
+class Backend:
+    """What the HTTP front door shares with the gRPC one."""
+    config: Config
+    metrics: "Metrics"
+    limiter: StreamLimiter
+    synthesizer: Callable[[], "Synthesizer"]  # the ready Synthesizer, or raises NotReady
+    # audio encoding runs here, never on the event loop
+    encode_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="http-encode"))
+
+    def check_token(self, authorization: str | None) -> None:
+        token = self.config.server.auth_token
+        if not token:
+            return
+        if not authorization:
+            raise ApiError(UNAUTHORIZED, "missing 'Authorization: Bearer <token>' header")
+        if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+            raise ApiError(UNAUTHORIZED, "invalid bearer token")
+
+
+def backend_of(request: Request) -> Backend:
+    return request.app.state.backend
+
+
+async def require_token(request: Request) -> None:
+    backend_of(request).check_token(request.headers.get("authorization"))

@@ -1,0 +1,98 @@
+"""Errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}` with a matching status.
+
+Library errors map to one HTTP status each; the same table gives the WebSocket error codes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Overloaded, SpeakerExists,
+                                   SpeakerNotFound, Unsupported)
+
+
+@dataclass(frozen=True)
+class Status:
+    http: int
+    type: str   # OpenAI's error "type"
+    code: str   # our stable code (also the WebSocket error code)
+
+
+_STATUS_OF: list[tuple[type[Exception], Status]] = [
+    (InvalidRequest, Status(400, "invalid_request_error", "invalid_request")),
+    (Unsupported, Status(400, "invalid_request_error", "unsupported")),
+    (SpeakerNotFound, Status(404, "invalid_request_error", "voice_not_found")),
+    (SpeakerExists, Status(409, "invalid_request_error", "voice_exists")),
+    (Overloaded, Status(429, "rate_limit_error", "overloaded")),
+    (NotReady, Status(503, "server_error", "unavailable")),
+]
+INTERNAL = Status(500, "server_error", "internal_error")
+UNAUTHORIZED = Status(401, "authentication_error", "invalid_api_key")
+TOO_LARGE = Status(413, "invalid_request_error", "request_too_large")
+
+
+class ApiError(Exception):
+    """An error raised by the HTTP layer itself (auth, body size, a bad field)."""
+
+    def __init__(self, status: Status, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def status_for(error: BaseException) -> Status:
+    if isinstance(error, ApiError):
+        return error.status
+    for cls, status in _STATUS_OF:
+        if isinstance(error, cls):
+            return status
+    return INTERNAL
+
+
+def error_body(status: Status, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": status.type, "param": param, "code": status.code}}
+
+
+def error_response(error: BaseException, request_id: str = "-") -> JSONResponse:
+    status = status_for(error)
+    if status is INTERNAL:
+        message = f"internal error (request id {request_id}); see the server log"
+    else:
+        message = error.message if isinstance(error, ApiError) else str(error)
+    headers = {"WWW-Authenticate": "Bearer"} if status is UNAUTHORIZED else None
+    return JSONResponse(error_body(status, message, getattr(error, "param", None)), status_code=status.http,
+                        headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    problems, param = [], None
+    for e in exc.errors():
+        loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path", "form")]
+        field = ".".join(loc) or "body"
+        param = param or field
+        problems.append(f"{field}: {e.get('msg', 'invalid')}")
+    return "; ".join(problems) or "invalid request", param
+
+
+async def _on_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = _validation_message(exc)
+    return JSONResponse(error_body(_STATUS_OF[0][1], message, param), status_code=400)
+
+
+async def _on_http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    status = Status(exc.status_code, "invalid_request_error", "not_found" if exc.status_code == 404 else "http_error")
+    return JSONResponse(error_body(status, str(exc.detail)), status_code=exc.status_code)
+
+
+async def _on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+def install(app) -> None:
+    """Every error leaves the app in OpenAI's shape."""
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(ApiError, _on_api_error)

@@ -1,0 +1,102 @@
+"""Voices (our registered speakers), models, and health probes."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi.responses import JSONResponse
+
+from async_cosyvoice.errors import InvalidRequest, NotReady
+from async_cosyvoice.frontend.audio import load_audio
+from async_cosyvoice.speakers import validate_speaker_id
+
+from .backend import backend_of
+from .call import HttpCall
+from .errors import error_response
+from .speech import peer
+
+router = APIRouter()
+health = APIRouter()
+
+TOKENS_PER_SECOND = 25  # CosyVoice2 speech tokens per second of audio
+
+
+def _voice(info, aliases: dict[str, str]) -> dict:
+    return {"id": info.speaker_id, "object": "voice", "kind": info.kind, "transcript": info.prompt_text,
+            "prompt_seconds": info.n_speech_tokens / TOKENS_PER_SECOND, "created_at": int(info.created_at),
+            "aliases": sorted(a for a, target in aliases.items() if target == info.speaker_id)}
+
+
+async def _unary(request: Request, method: str, body, voice: str = ""):
+    """Run one non-streaming request with its log line and metrics; errors in OpenAI's shape."""
+    backend = backend_of(request)
+    call = HttpCall(method, peer(request))
+    call.voice = voice[:80]
+    try:
+        return await body(backend)
+    except Exception as e:
+        call.failed(e)
+        return error_response(e, call.request_id)
+    finally:
+        call.finish(backend.metrics)
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(request: Request):
+    async def body(backend):
+        synth = backend.synthesizer()
+        infos = await asyncio.to_thread(synth.speakers.infos)
+        aliases = backend.config.server.voice_aliases
+        return {"object": "list", "data": [_voice(i, aliases) for i in infos]}
+    return await _unary(request, "GET /v1/audio/voices", body)
+
+
+@router.post("/v1/audio/voices", status_code=201)
+async def register_voice(request: Request, id: str = Form(...), transcript: str = Form(...),
+                         audio: UploadFile = File(...), overwrite: bool = Form(False)):
+    async def body(backend):
+        synth = backend.synthesizer()
+        speaker_id = validate_speaker_id(id, "id")
+        data = await audio.read()
+        if not data:
+            raise InvalidRequest("audio is an empty file; upload a wav/flac/ogg recording of the transcript")
+        try:
+            prompt = await asyncio.to_thread(load_audio, data)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"audio: {e}") from None
+        record = await synth.register_speaker(speaker_id, transcript, prompt, overwrite=overwrite)
+        return JSONResponse(_voice(record.info, backend.config.server.voice_aliases), status_code=201)
+    return await _unary(request, "POST /v1/audio/voices", body, id)
+
+
+@router.delete("/v1/audio/voices/{voice_id}")
+async def delete_voice(voice_id: str, request: Request):
+    async def body(backend):
+        synth = backend.synthesizer()
+        speaker_id = validate_speaker_id(voice_id, "voice id")
+        await asyncio.to_thread(synth.speakers.delete, speaker_id)
+        return {"id": speaker_id, "object": "voice", "deleted": True}
+    return await _unary(request, "DELETE /v1/audio/voices", body, voice_id)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    backend = backend_of(request)
+    name = backend.config.server.served_model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "async_cosyvoice"}]}
+
+
+@health.get("/healthz")
+async def healthz():
+    """Liveness: the process serves HTTP (the model may still be loading)."""
+    return {"status": "ok"}
+
+
+@health.get("/readyz")
+async def readyz(request: Request):
+    """Readiness: the model is loaded and the server is not shutting down."""
+    try:
+        backend_of(request).synthesizer()
+    except NotReady as e:
+        return error_response(e)
+    return {"status": "ready"}
