@@ -29,7 +29,7 @@ from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speake
 from async_cosyvoice.tts import Audio, Mode, SynthesisOptions, SynthesisRequest
 
 from ._stubs import load as _load_stubs
-from .encoding import MAX_CHUNK_BYTES, AudioEncoder, _Output
+from .encoding import ENCODING_FORMATS, MAX_CHUNK_BYTES, AudioEncoder, _Output, check_output
 from .metrics import Metrics
 from .sentences import SentenceSplitter
 
@@ -226,13 +226,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         if speed != 1.0 and o.stream:
             raise InvalidRequest("options.speed != 1 needs options.stream = false: speed is applied "
                                  "to the mel of a whole utterance")
-        if o.encoding not in pb2.AudioEncoding.values():
-            raise InvalidRequest(f"options.encoding {o.encoding} is not a known AudioEncoding "
-                                 f"(PCM16 = 1, FLOAT32 = 2, WAV = 3)")
         rate = o.sample_rate or self._native_rate()
-        if not MIN_OUTPUT_RATE <= rate <= MAX_OUTPUT_RATE:
-            raise InvalidRequest(f"options.sample_rate must be 0 (native {self._native_rate()} Hz) or "
-                                 f"{MIN_OUTPUT_RATE}..{MAX_OUTPUT_RATE} Hz, got {rate}")
+        self._check_output(o.encoding, rate)
         options = SynthesisOptions(
             stream=o.stream, speed=speed,
             text_frontend=o.text_frontend if o.HasField("text_frontend") else True,
@@ -240,6 +235,19 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             max_tokens=self._max_tokens(o),
             first_hop=self.config.token2wav.first_hop)
         return options, _Output(o.encoding or pb2.AUDIO_ENCODING_PCM16, rate, o.stream)
+
+    def _check_output(self, encoding: int, rate: int) -> None:
+        if encoding not in ENCODING_FORMATS:
+            known = ", ".join(f"{pb2.AudioEncoding.Name(v).removeprefix('AUDIO_ENCODING_')} = {v}"
+                              for v in pb2.AudioEncoding.values() if v)
+            raise InvalidRequest(f"options.encoding {encoding} is not a known AudioEncoding ({known})")
+        if not MIN_OUTPUT_RATE <= rate <= MAX_OUTPUT_RATE:
+            raise InvalidRequest(f"options.sample_rate must be 0 (native {self._native_rate()} Hz) or "
+                                 f"{MIN_OUTPUT_RATE}..{MAX_OUTPUT_RATE} Hz, got {rate}")
+        try:
+            check_output(encoding, rate)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"options.sample_rate: {e}") from None
 
     def _max_tokens(self, o) -> int | None:
         if not o.HasField("max_tokens"):
@@ -306,7 +314,7 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
                             min(MAX_CHUNK_BYTES, self.limits.max_message_bytes - 4096))
 
     async def _emit(self, call: _Call, out: AudioEncoder, samples: np.ndarray, final: bool) -> None:
-        for msg in out.push(samples, final):
+        for msg in await asyncio.to_thread(out.push, samples, final):  # resampling + codec: CPU work
             if msg.is_final:
                 msg.summary.CopyFrom(call.summary(out.seconds))
                 call.audio_seconds = out.seconds
