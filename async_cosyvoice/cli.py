@@ -137,8 +137,13 @@ def cmd_serve(args) -> int:
     from grpc_async.server import run
 
     config = _config(args)
+    server = {}
     if args.port is not None:
-        config = config.model_copy(update={"server": config.server.model_copy(update={"port": args.port})})
+        server["port"] = None if args.port < 0 else args.port
+    if args.http_port is not None:
+        server["http_port"] = args.http_port
+    if server:
+        config = config.model_copy(update={"server": config.server.model_copy(update=server)})
     run(config)
     return 0
 
@@ -154,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the gRPC server")
+    p = sub.add_parser("serve", help="run the server: gRPC, and HTTP with --http-port")
     _common(p)
-    p.add_argument("--port", type=int)
+    p.add_argument("--port", type=int, help="gRPC port (0: any free port; -1: no gRPC)")
+    p.add_argument("--http-port", type=int, help="HTTP port: OpenAI /v1/audio/speech, WebSocket, web page at /")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("synthesize", help="synthesize to a wav file in-process")

@@ -78,7 +78,7 @@ class LimitsConfig(_Section):
 
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
-    port: int = Field(50051, ge=0, le=65535)
+    port: int | None = Field(50051, ge=0, le=65535)  # gRPC; None = off (HTTP only)
     metrics_port: int | None = Field(None, ge=0, le=65535)
     auth_token: str | None = None
     tls_cert: Path | None = None

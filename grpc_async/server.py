@@ -38,6 +38,7 @@ from .servicer import (MAX_OUTPUT_RATE, MAX_SPEED, MIN_OUTPUT_RATE, MIN_SPEED, N
 
 if TYPE_CHECKING:
     from async_cosyvoice.tts import Synthesizer
+    from http_api import HttpFrontDoor
 
 log = logging.getLogger("grpc_async.server")
 
@@ -67,6 +68,8 @@ class CosyVoiceServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http: "HttpFrontDoor | None" = None
+        self.http_port: int | None = None
         self._stopped = asyncio.Event()
 
     @property
@@ -77,7 +80,28 @@ class CosyVoiceServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
-    async def start(self) -> int:
+    async def start(self) -> int | None:
+        """Open the front doors (gRPC on server.port, HTTP on server.http_port; either may be None)
+        and load the model in the background. Returns the gRPC port (None when gRPC is off)."""
+        cfg = self.config
+        if cfg.server.port is None and cfg.server.http_port is None:
+            raise ValueError("both front doors are off: set server.port (gRPC) and/or server.http_port (HTTP)")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if cfg.server.port is not None:
+            await self._start_grpc()
+        if cfg.server.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(cfg.server.metrics_port, cfg.server.host)
+        try:
+            await self._start_http()
+        except BaseException:
+            if self._server is not None:
+                await self._server.stop(0)
+            self.metrics.close()
+            raise
+        self._loader = asyncio.create_task(self._load())
+        return self.port
+
+    async def _start_grpc(self) -> None:
         cfg = self.config
         limits = cfg.limits
         interceptors = [BearerAuthInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
@@ -91,7 +115,6 @@ class CosyVoiceServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self._server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{cfg.server.host}:{cfg.server.port}"
         creds = server_credentials(cfg)
         self.port = (self._server.add_secure_port(address, creds) if creds
@@ -101,10 +124,24 @@ class CosyVoiceServer:
         await self._server.start()
         log.info("listening on %s:%d (%s%s)", cfg.server.host, self.port, "TLS" if creds else "plaintext",
                  ", bearer auth" if interceptors else "")
-        if cfg.server.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(cfg.server.metrics_port, cfg.server.host)
-        self._loader = asyncio.create_task(self._load())
-        return self.port
+
+    # ---- the HTTP front door (http_api): same loop, synthesizer, limiter, token and metrics ----
+
+    async def _start_http(self) -> None:
+        cfg = self.config
+        if cfg.server.http_port is None:
+            return
+        # http_api needs the optional `http` extra (fastapi, uvicorn); imported only when asked for
+        from http_api import Backend, HttpFrontDoor
+
+        backend = Backend(config=cfg, metrics=self.metrics, limiter=self.servicer.limiter,
+                          synthesizer=self.servicer._synth)
+        self.http = HttpFrontDoor(backend, cfg.server.host, cfg.server.http_port)
+        self.http_port = await self.http.start()
+
+    async def _stop_http(self, grace: float) -> None:
+        if self.http is not None:
+            await self.http.stop(grace)
 
     async def _load(self) -> None:
         t0 = time.perf_counter()
@@ -131,7 +168,7 @@ class CosyVoiceServer:
     async def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new streams, drain in-flight ones for `grace`
         seconds (config server.grace_seconds), then cancel what is left and close the model."""
-        if self._server is None or self.servicer.closing:
+        if self._loader is None or self.servicer.closing:
             await self._stopped.wait()
             return
         grace = self.config.server.grace_seconds if grace is None else grace
@@ -146,7 +183,9 @@ class CosyVoiceServer:
         log.info("shutting down: draining %d stream(s) for up to %.1f s", self.servicer.active, grace)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.servicer.idle.wait(), timeout=grace)
-        await self._server.stop(max(0.0, deadline - loop.time()))
+        await self._stop_http(max(0.0, deadline - loop.time()))
+        if self._server is not None:
+            await self._server.stop(max(0.0, deadline - loop.time()))
         if self._loader is not None and not self._loader.done():
             self._loader.cancel()
         if self._loader is not None:
@@ -197,7 +236,7 @@ class ServerThread:
         if self.loop.is_closed():
             return
         server = getattr(self, "server", None)
-        if server is not None and server._server is not None:
+        if server is not None and server._loader is not None:
             with contextlib.suppress(Exception):
                 self.call(server.stop(grace), timeout=120)
         self.loop.call_soon_threadsafe(self.loop.stop)

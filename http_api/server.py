@@ -9,12 +9,16 @@ import logging
 
 import uvicorn
 
+from .app import create_app
+from .backend import Backend
+
 log = logging.getLogger("http_api")
 
 
 class HttpFrontDoor:
-    def __init__(self, app, host: str, port: int):
-        self._config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False,
+    def __init__(self, backend: Backend, host: str, port: int):
+        self.backend = backend
+        self._config = uvicorn.Config(create_app(backend), host=host, port=port, lifespan="off", access_log=False,
                                       log_config=None, ws="websockets-sansio", ws_max_size=1 << 20,
                                       timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(self._config)
@@ -41,3 +45,4 @@ class HttpFrontDoor:
         self._config.timeout_graceful_shutdown = max(0.1, grace)
         self._server.started = False
         await self._server.shutdown()
+        self.backend.encode_pool.shutdown(wait=False, cancel_futures=True)
