@@ -9,13 +9,14 @@ from fastapi.staticfiles import StaticFiles
 
 from . import errors, speech, voices, websocket
 from .backend import Backend, require_token
-from .errors import TOO_LARGE, ApiError, error_body
+from .errors import TOO_LARGE, error_body
 
 STATIC = Path(__file__).parent / "static"
 
 
 class BodyLimit:
-    """413 for request bodies over `limit` bytes (declared or streamed), before anything parses them."""
+    """413 for request bodies over `limit` bytes, declared (content-length) or counted as they stream
+    in; in the second case the 413 goes out at once and the app sees the client as gone."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -25,23 +26,34 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._reject(send)
+            return await self._reject(scope, receive, send)
         seen = 0
+        rejected = started = False
 
-        async def limited():
-            nonlocal seen
+        async def limited_receive():
+            nonlocal seen, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise ApiError(TOO_LARGE, self._message())
+            if seen > self.limit and not started:
+                rejected = True
+                await self._reject(scope, receive, send)
+                return {"type": "http.disconnect"}
             return message
-        await self.app(scope, limited, send)
 
-    def _message(self) -> str:
-        return f"request body over {self.limit} bytes (limits.max_message_bytes)"
+        async def guarded_send(message):
+            nonlocal started
+            if rejected:
+                return  # the 413 went out already
+            started = True
+            await send(message)
 
-    async def _reject(self, send) -> None:
-        await JSONResponse(error_body(TOO_LARGE, self._message()), status_code=413)(None, None, send)
+        await self.app(scope, limited_receive, guarded_send)
+
+    async def _reject(self, scope, receive, send) -> None:
+        message = f"request body over {self.limit} bytes (limits.max_message_bytes)"
+        await JSONResponse(error_body(TOO_LARGE, message), status_code=413)(scope, receive, send)
 
 
 def create_app(backend: Backend) -> FastAPI:

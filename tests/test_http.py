@@ -1,0 +1,294 @@
+"""The HTTP front door against a real server on 127.0.0.1 (tiny fixture model), with real clients:
+the official `openai` SDK, httpx, the `websockets` client and headless Chromium.
+
+One server per module (gRPC + HTTP in one loop, bearer token on both, aliases `alloy` ->
+tiny_zs_spk). Each response format is decoded back with PyAV and its duration compared with the
+PCM of the same seed.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import av
+import grpc
+import httpx
+import numpy as np
+import openai
+import pytest
+import websockets
+
+from async_cosyvoice.config import Config
+from async_cosyvoice.speakers import SpeakerStore
+from grpc_async.client import CosyVoiceClient, collect
+from grpc_async.server import ServerThread
+
+TOKEN = "http-s3cret"
+TEXT = "Hi there."  # the random-weight model speaks to its length limit: keep it short
+PROMPT_TEXT = "The morning train was late again, so I walked along the river."
+RATE = 24000
+CHUNK_SLACK = 15 * 960  # "within one chunk": a first chunk of the default hop (15 tokens) at 24 kHz
+LIMIT = 6
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    spk_dir = tmp_path_factory.mktemp("spk")
+    SpeakerStore(spk_dir).import_spk2info(tiny_dir / "spk2info.pt")  # tiny_zs_spk, tiny_sft_spk
+    cfg = Config.model_validate({
+        "model": {"dir": str(tiny_dir)},
+        "speakers": {"dir": str(spk_dir)},
+        "server": {"port": 0, "http_port": 0, "metrics_port": 0, "grace_seconds": 2, "auth_token": TOKEN,
+                   "voice_aliases": {"alloy": "tiny_zs_spk", "echo": "tiny_sft_spk"}},
+        "limits": {"max_concurrent_streams": LIMIT, "max_text_chars": 300, "max_prompt_seconds": 10.0,
+                   "max_message_bytes": 2 * 1024 * 1024},
+    })
+    st = ServerThread(cfg, ready_timeout=900)
+    st.base = f"http://127.0.0.1:{st.server.http_port}"
+    st.ws = f"ws://127.0.0.1:{st.server.http_port}/v1/audio/speech/stream"
+    yield st
+    st.close(grace=1)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=TOKEN, timeout=120, max_retries=0)
+
+
+def wait_idle(st: ServerThread, timeout: float = 30.0) -> None:
+    """No stream slot held and no engine request running (a cancelled request was aborted)."""
+    async def busy():
+        return st.server.servicer.limiter.active, st.server.synthesizer.engine_stats().running
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if st.call(busy(), timeout=10) == (0, 0):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"still busy after {timeout} s: (slots, engine requests) = {st.call(busy(), timeout=10)}")
+
+
+def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
+    """Any response format -> mono float samples and their rate (pcm: OpenAI's 24 kHz s16le)."""
+    if fmt == "pcm":
+        return np.frombuffer(data, "<i2").astype(np.float32) / 32768, RATE
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        frames = [f.to_ndarray().reshape(-1) for f in container.decode(stream)]
+        return np.concatenate(frames).astype(np.float32), stream.rate
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# REST: health, models, voices, auth
+
+
+def test_health_models_voices_and_auth(server, http):
+    assert httpx.get(server.base + "/healthz").json() == {"status": "ok"}
+    assert httpx.get(server.base + "/readyz").json() == {"status": "ready"}  # no token needed
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["cosyvoice2"]
+    voices = {v["id"]: v for v in http.get("/v1/audio/voices").json()["data"]}
+    assert voices["tiny_zs_spk"]["kind"] == "zero_shot" and voices["tiny_zs_spk"]["aliases"] == ["alloy"]
+    assert voices["tiny_sft_spk"]["kind"] == "sft"
+
+    no_token = httpx.get(server.base + "/v1/audio/voices")
+    assert no_token.status_code == 401 and error_of(no_token)["code"] == "invalid_api_key"
+    assert "Bearer" in error_of(no_token)["message"]
+    wrong = httpx.post(server.base + "/v1/audio/speech", headers={"Authorization": "Bearer nope"},
+                       json={"model": "tts-1", "input": "Hi.", "voice": "alloy"})
+    assert wrong.status_code == 401 and error_of(wrong)["message"] == "invalid bearer token"
+
+    async def grpc_with(token):  # the same token guards the gRPC front door
+        async with CosyVoiceClient(server.target, token=token) as c:
+            return await c.list_speakers()
+    assert len(server.call(grpc_with(TOKEN), timeout=30).speakers) >= 2
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        server.call(grpc_with("nope"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_register_list_and_delete_voice(http, golden_dir):
+    wav = (golden_dir / "prompt_16k.wav").read_bytes()
+    form = {"id": "http_voice", "transcript": PROMPT_TEXT}
+    r = http.post("/v1/audio/voices", data=form, files={"audio": ("p.wav", wav, "audio/wav")})
+    assert r.status_code == 201, r.text
+    assert r.json()["id"] == "http_voice" and r.json()["kind"] == "zero_shot" and r.json()["prompt_seconds"] > 1
+    assert "http_voice" in [v["id"] for v in http.get("/v1/audio/voices").json()["data"]]
+
+    again = http.post("/v1/audio/voices", data=form, files={"audio": ("p.wav", wav, "audio/wav")})
+    assert again.status_code == 409 and error_of(again)["code"] == "voice_exists"
+    garbage = http.post("/v1/audio/voices", data={"id": "bad_voice", "transcript": "x"},
+                        files={"audio": ("p.wav", b"not audio at all", "audio/wav")})
+    assert garbage.status_code == 400 and error_of(garbage)["message"].startswith("audio:")
+    bad_id = http.post("/v1/audio/voices", data={"id": "../etc", "transcript": "x"},
+                       files={"audio": ("p.wav", wav, "audio/wav")})
+    assert bad_id.status_code == 400 and "'/'" in error_of(bad_id)["message"]
+    missing = http.post("/v1/audio/voices", data={"id": "no_audio", "transcript": "x"})
+    assert missing.status_code == 400 and error_of(missing)["param"] == "audio"
+
+    assert http.delete("/v1/audio/voices/http_voice").json()["deleted"] is True
+    gone = http.delete("/v1/audio/voices/http_voice")
+    assert gone.status_code == 404 and error_of(gone)["code"] == "voice_not_found"
+
+
+# ---------------------------------------------------------------------------------------------
+# POST /v1/audio/speech
+
+
+@pytest.fixture(scope="module")
+def reference_pcm(client) -> np.ndarray:
+    """PCM of TEXT with seed 7: the length every other format must match."""
+    data = client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, response_format="pcm",
+                                      extra_body={"seed": 7}).content
+    samples, _ = decode(data, "pcm")
+    assert len(samples) > RATE // 2
+    return samples
+
+
+def test_openai_sdk_streaming_response(server, client, reference_pcm):
+    t0 = time.perf_counter()
+    with client.audio.speech.with_streaming_response.create(
+            model="gpt-4o-mini-tts", voice={"id": "tiny_zs_spk"}, input=TEXT, response_format="pcm",
+            extra_body={"seed": 7}) as response:
+        assert response.headers["content-type"] == "audio/pcm"
+        assert response.headers["transfer-encoding"] == "chunked"
+        pieces = list(response.iter_bytes())
+    assert len(pieces) > 1  # streamed, not one body
+    samples, _ = decode(b"".join(pieces), "pcm")
+    assert len(samples) == len(reference_pcm)  # same seed, same tokens, same length
+    assert time.perf_counter() - t0 < 120
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3", "opus", "aac", "flac"])
+def test_every_response_format_decodes(client, reference_pcm, fmt, request):
+    data = client.audio.speech.create(model="cosyvoice2", voice="alloy", input=TEXT, response_format=fmt,
+                                      extra_body={"seed": 7}).content
+    samples, rate = decode(data, fmt)
+    assert rate == (48000 if fmt == "opus" else RATE)  # Opus decoders always give 48 kHz
+    n = len(samples) * RATE / rate
+    assert abs(n - len(reference_pcm)) <= CHUNK_SLACK, (fmt, n, len(reference_pcm))
+    assert np.abs(samples).max() > 1e-3  # not silence
+
+
+def test_sse_events(http, reference_pcm):
+    body = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm", "stream_format": "sse",
+            "seed": 7}
+    events = []
+    with http.stream("POST", "/v1/audio/speech", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(audio) // 2 == len(reference_pcm)
+
+
+def test_instructions_and_speed(http):
+    r = http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": "Hi.", "seed": 1,
+                                            "instructions": "Speak slowly.", "speed": 1.5, "response_format": "wav"})
+    assert r.status_code == 200, r.text
+    samples, rate = decode(r.content, "wav")
+    assert rate == RATE and len(samples) > 0
+
+
+@pytest.mark.parametrize("body,status,code,message", [
+    ({"voice": "nobody"}, 404, "voice_not_found", "'nobody' is not a registered speaker"),
+    ({"voice": "bad/id"}, 400, "invalid_request", "contains '/'"),
+    ({"model": "whisper-1"}, 400, "invalid_request", "model 'whisper-1' is not served"),
+    ({"response_format": "ogg"}, 400, "invalid_request", "response_format 'ogg' is not supported"),
+    ({"speed": 3.0}, 400, "invalid_request", "speed must be in [0.5, 2.0]"),
+    ({"input": "   "}, 400, "invalid_request", "input is empty"),
+    ({"input": "x" * 301}, 400, "invalid_request", "the limit is 300"),
+    ({"stream_format": "ws"}, 400, "invalid_request", "stream_format"),
+    ({"input": None}, 400, "invalid_request", "input"),
+    ({"voice": "echo", "instructions": "Whisper."}, 400, "invalid_request", "cannot follow instructions"),
+])
+def test_bad_requests_get_precise_errors(http, body, status, code, message):
+    payload = {"model": "tts-1", "voice": "alloy", "input": "Hi.", **body}
+    r = http.post("/v1/audio/speech", json=payload)
+    assert r.status_code == status, r.text
+    error = error_of(r)
+    assert error["code"] == code and message in error["message"], error
+
+
+def test_malformed_and_oversized_bodies(server, http):
+    r = http.post("/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_request"
+    big = http.post("/v1/audio/speech", content=b"x" * (3 * 1024 * 1024),
+                    headers={"content-type": "application/json"})
+    assert big.status_code == 413 and "limits.max_message_bytes" in error_of(big)["message"]
+
+    def chunked():  # no content-length: counted while it streams in
+        yield b'{"model": "tts-1", "voice": "alloy", "input": "'
+        for _ in range(48):
+            yield b"x" * 65536
+    streamed = http.post("/v1/audio/speech", content=chunked(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413 and "limits.max_message_bytes" in error_of(streamed)["message"]
+    unknown = http.get("/v1/nothing")
+    assert unknown.status_code == 404 and "error" in unknown.json()
+    # the server keeps serving
+    assert http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "echo", "input": "Hi.",
+                                               "response_format": "pcm"}).status_code == 200
+    wait_idle(server)
+
+
+def test_client_disconnect_cancels_synthesis(server, http):
+    long_text = "This sentence keeps the engine busy for a while, with more words after it. " * 3
+    with http.stream("POST", "/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": long_text,
+                                                       "response_format": "mp3"}) as r:
+        assert r.status_code == 200
+        first = next(r.iter_raw())
+        assert first
+    # leaving the block closed the connection mid-stream: the engine request is aborted, the slot freed
+    wait_idle(server)
+
+
+def test_one_limit_for_grpc_and_http(server, http):
+    """gRPC streams that hold every slot make the HTTP front door answer 429 (one shared limiter)."""
+    async def body():
+        clients = [CosyVoiceClient(server.target, token=TOKEN) for _ in range(LIMIT)]
+
+        async def pieces():
+            await asyncio.Event().wait()  # never any text: the stream holds its slot
+            yield ""
+
+        holders = [asyncio.create_task(collect(c.stream_synthesize(pieces(), speaker_id="tiny_sft_spk",
+                                                                   mode="sft"))) for c in clients]
+        try:
+            for _ in range(400):
+                if server.server.servicer.limiter.active == LIMIT:
+                    break
+                await asyncio.sleep(0.05)
+            r = await asyncio.to_thread(http.post, "/v1/audio/speech",
+                                        json={"model": "tts-1", "voice": "alloy", "input": "Hi."})
+            return r
+        finally:
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            for c in clients:
+                await c.close()
+    r = asyncio.run(body())
+    assert r.status_code == 429 and error_of(r)["code"] == "overloaded"
+    assert "max_concurrent_streams" in error_of(r)["message"]
+    wait_idle(server)
+    metrics = httpx.get(f"http://127.0.0.1:{server.server.metrics_port}/metrics").text
+    assert 'method="POST /v1/audio/speech",mode="zero_shot_by_spk_id",status="429"} 1.0' in metrics
+    assert "cosyvoice_rejected_streams_total 1.0" in metrics  # the gRPC servicer's counter counted it
