@@ -22,6 +22,7 @@ import numpy as np
 import openai
 import pytest
 import websockets
+from websockets.asyncio.client import connect as ws_connect
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
@@ -292,3 +293,185 @@ def test_one_limit_for_grpc_and_http(server, http):
     metrics = httpx.get(f"http://127.0.0.1:{server.server.metrics_port}/metrics").text
     assert 'method="POST /v1/audio/speech",mode="zero_shot_by_spk_id",status="429"} 1.0' in metrics
     assert "cosyvoice_rejected_streams_total 1.0" in metrics  # the gRPC servicer's counter counted it
+
+
+# ---------------------------------------------------------------------------------------------
+# WebSocket /v1/audio/speech/stream (the `websockets` client)
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def ws_session(url: str, messages: list, headers=AUTH) -> tuple[list[dict], int | None]:
+    """Send `messages` (dicts as JSON, bytes as binary), then read until the server closes."""
+    received = []
+    async with ws_connect(url, additional_headers=headers, max_size=1 << 24) as ws:
+        for m in messages:
+            await ws.send(m if isinstance(m, bytes) else json.dumps(m))
+        try:
+            async for frame in ws:
+                received.append(json.loads(frame))
+        except websockets.ConnectionClosed:
+            pass
+        return received, ws.close_code
+
+
+def check_audio_messages(received: list[dict]) -> bytes:
+    kinds = [m["type"] for m in received]
+    assert kinds[0] == "ready" and kinds[-1] == "done", kinds
+    audio = [m for m in received if m["type"] == "audio"]
+    assert kinds[1:-1] == ["audio"] * len(audio)
+    assert [m["index"] for m in audio] == list(range(len(audio)))
+    assert [m["is_final"] for m in audio] == [False] * (len(audio) - 1) + [True]
+    offset = 0
+    for m in audio:
+        assert m["sample_offset"] == offset
+        offset += m["num_samples"]
+    assert received[-1]["audio_seconds"] == pytest.approx(offset / RATE, abs=1e-3)
+    assert received[-1]["first_chunk_latency_seconds"] > 0
+    return b"".join(base64.b64decode(m["audio"]) for m in audio)
+
+
+def test_websocket_streams_text_pieces(server):
+    messages = [{"type": "config", "voice": "alloy", "format": "pcm", "options": {"seed": 3}},
+                {"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}, {"type": "flush"},
+                {"type": "text", "text": "Bye."}, {"type": "end"}]
+    received, code = asyncio.run(ws_session(server.ws, messages))
+    assert code == 1000
+    assert received[0] == {"type": "ready", "request_id": received[0]["request_id"], "format": "pcm",
+                           "sample_rate": RATE, "content_type": "audio/pcm"}
+    pcm = check_audio_messages(received)
+    samples, _ = decode(pcm, "pcm")
+    assert len(samples) == sum(m.get("num_samples", 0) for m in received)  # pcm at 24 kHz: 1:1
+    assert np.abs(samples).max() > 1e-3
+    wait_idle(server)
+
+
+def test_websocket_compressed_format_and_query_token(server):
+    url = server.ws + "?api_key=" + TOKEN  # browsers cannot set headers on a WebSocket
+    messages = [{"type": "config", "voice": "tiny_sft_spk", "format": "webm", "options": {"seed": 1}},
+                {"type": "text", "text": "Hi there."}, {"type": "end"}]
+    received, code = asyncio.run(ws_session(url, messages, headers=None))
+    assert code == 1000 and received[0]["content_type"] == "audio/webm;codecs=opus"
+    data = check_audio_messages(received)
+    samples, rate = decode(data, "webm")
+    n = len(samples) * RATE / rate
+    assert abs(n - received[-1]["audio_seconds"] * RATE) <= CHUNK_SLACK
+
+
+@pytest.mark.parametrize("messages,headers,code,message", [
+    ([{"type": "text", "text": "Hi."}], AUTH, "invalid_request", 'the first message must be {"type": "config"'),
+    ([{"type": "config", "voice": "nobody"}], AUTH, "voice_not_found", "'nobody' is not a registered speaker"),
+    ([{"type": "config", "voice": "alloy", "format": "ogg"}], AUTH, "invalid_request", "config.format 'ogg'"),
+    ([{"type": "config", "voice": "alloy", "options": {"seed": "x"}}], AUTH, "invalid_request",
+     "config.options.seed must be int"),
+    ([{"type": "config", "voice": "alloy", "options": {"temperature": 1}}], AUTH, "invalid_request",
+     "unknown temperature"),
+    ([{"type": "config", "voice": "alloy", "sample_rate": 44100, "format": "opus"}], AUTH, "invalid_request",
+     "opus supports sample rates"),
+    ([{"type": "config", "voice": "alloy"}, {"type": "shout"}], AUTH, "invalid_request",
+     "unknown message type 'shout'"),
+    ([{"type": "config", "voice": "alloy"}, {"type": "text", "text": 5}], AUTH, "invalid_request",
+     '"text": a string'),
+    ([{"type": "config", "voice": "alloy"}, {"type": "config", "voice": "alloy"}], AUTH, "invalid_request",
+     "config may be sent only once"),
+    ([{"type": "config", "voice": "alloy"}, b"\x00\x01"], AUTH, "invalid_request", "binary frames"),
+    ([{"type": "config", "voice": "alloy"}], {"Authorization": "Bearer nope"}, "invalid_api_key",
+     "invalid bearer token"),
+    ([{"type": "config", "voice": "alloy"}], None, "invalid_api_key", "missing"),
+])
+def test_websocket_errors(server, messages, headers, code, message):
+    received, close_code = asyncio.run(ws_session(server.ws, messages, headers=headers))
+    error = received[-1]
+    assert error["type"] == "error" and error["code"] == code and message in error["message"], received
+    assert close_code == 4000 + error["status"]
+
+
+def test_websocket_invalid_json_after_audio_started(server):
+    async def body():
+        async with ws_connect(server.ws, additional_headers=AUTH) as ws:
+            await ws.send(json.dumps({"type": "config", "voice": "alloy"}))
+            assert json.loads(await ws.recv())["type"] == "ready"
+            await ws.send(json.dumps({"type": "text", "text": "Hi there."}))
+            await ws.send(json.dumps({"type": "flush"}))
+            assert json.loads(await ws.recv())["type"] == "audio"
+            await ws.send("{oops")
+            while (m := json.loads(await ws.recv()))["type"] == "audio":
+                pass
+            return m
+    error = asyncio.run(body())
+    assert error["code"] == "invalid_request" and "not valid JSON" in error["message"]
+    wait_idle(server)
+
+
+def test_websocket_close_cancels_synthesis(server):
+    long_text = "This sentence keeps the engine busy for a while, with more words after it. " * 3
+
+    async def body():
+        async with ws_connect(server.ws, additional_headers=AUTH) as ws:
+            await ws.send(json.dumps({"type": "config", "voice": "alloy"}))
+            await ws.recv()
+            await ws.send(json.dumps({"type": "text", "text": long_text}))
+            await ws.send(json.dumps({"type": "flush"}))
+            first = json.loads(await ws.recv())
+            assert first["type"] == "audio" and not first["is_final"]
+        # the socket is closed mid-utterance
+    asyncio.run(body())
+    wait_idle(server)
+
+
+# ---------------------------------------------------------------------------------------------
+# The web page in a real browser (Debian's chromium driven by Playwright)
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--autoplay-policy=no-user-gesture-required"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as e:
+        pytest.skip(f"BROWSER TEST SKIPPED: playwright is not installed ({e}); pip install playwright")
+    if not shutil.which(CHROMIUM):
+        pytest.skip("BROWSER TEST SKIPPED: no chromium binary; apt-get install -y chromium (.ci/run does)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def test_web_page_speaks_in_chromium(server, browser, tmp_path):
+    page = browser.new_page()
+    console = []
+    page.on("console", lambda m: console.append(m.text))
+    page.goto(server.base + "/")
+    page.fill("#token", TOKEN)
+    page.dispatch_event("#token", "change")  # loads the voices with the token
+    page.wait_for_selector("#voice option[value=tiny_zs_spk]", state="attached", timeout=30_000)
+    page.select_option("#voice", "tiny_zs_spk")
+    page.fill("#text", TEXT)
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('Done')", timeout=120_000)
+    assert page.input_value("#voice") == "tiny_zs_spk"
+    assert page.text_content("#error") == "", console
+    latency = page.text_content("#latency")
+    assert latency.endswith(" ms") and int(latency[:-3]) > 0
+    seconds = float(page.text_content("#audio-seconds").split()[0])
+    assert seconds > 0.5  # audio data arrived and was scheduled for playback
+    chunks, received = map(int, page.text_content("#received").split(" / "))
+    assert received >= seconds * RATE * 2 - 2 and chunks >= 1
+    assert float(page.text_content("#rtf")) > 0
+    page.screenshot(path=str(tmp_path / "web_page.png"), full_page=True)
+    print(f"screenshot: {tmp_path / 'web_page.png'}")
+
+    # an error is shown in the page: an embedding-only voice cannot follow instructions
+    page.select_option("#voice", "tiny_sft_spk")
+    page.fill("#instructions", "Whisper.")
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('error').textContent.length > 0", timeout=30_000)
+    assert "400 invalid_request" in page.text_content("#error")
+    assert "cannot follow instructions" in page.text_content("#error")
+    page.close()
+    wait_idle(server)

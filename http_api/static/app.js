@@ -33,6 +33,8 @@ async function loadVoices(select) {
   const models = await fetch("/v1/models", { headers: headers() });
   if (models.ok) model = (await models.json()).data[0].id;
   const menu = $("voice");
+  const keep = select || menu.value;
+  showError("");
   menu.innerHTML = "";
   for (const v of voices) {
     const option = document.createElement("option");
@@ -40,7 +42,7 @@ async function loadVoices(select) {
     option.textContent = `${v.id} (${v.kind}${v.aliases.length ? ", " + v.aliases.join(", ") : ""})`;
     menu.appendChild(option);
   }
-  if (select) menu.value = select;
+  if (voices.some((v) => v.id === keep)) menu.value = keep;
   if (!voices.length) showError("No voices registered yet: upload a recording below.");
 }
 
