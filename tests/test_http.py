@@ -96,6 +96,33 @@ def error_of(response: httpx.Response) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# HTTP only (gRPC off), model never ready: no model load needed
+
+
+async def _never_ready(config):
+    await asyncio.Event().wait()
+
+
+def test_http_only_server_while_loading(tmp_path):
+    cfg = Config.model_validate({"server": {"port": None, "http_port": 0, "grace_seconds": 0},
+                                 "speakers": {"dir": str(tmp_path)}})
+    st = ServerThread(cfg, ready_timeout=None, synthesizer_factory=_never_ready)
+    try:
+        assert st.port is None and st.server.http_port  # no gRPC port was bound
+        base = f"http://127.0.0.1:{st.server.http_port}"
+        assert httpx.get(base + "/healthz").status_code == 200
+        ready = httpx.get(base + "/readyz")
+        assert ready.status_code == 503 and error_of(ready)["code"] == "unavailable"
+        r = httpx.post(base + "/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "voice": "alloy"})
+        assert r.status_code == 503 and "still loading" in error_of(r)["message"]
+        assert httpx.get(base + "/").headers["content-type"].startswith("text/html")
+    finally:
+        st.close(grace=0)
+    with pytest.raises(httpx.ConnectError):  # stopped: the port is closed
+        httpx.get(base + "/healthz")
+
+
+# ---------------------------------------------------------------------------------------------
 # REST: health, models, voices, auth
 
 
