@@ -62,7 +62,11 @@ def error_response(error: BaseException, request_id: str = "-") -> JSONResponse:
         message = f"internal error (request id {request_id}); see the server log"
     else:
         message = error.message if isinstance(error, ApiError) else str(error)
-    headers = {"WWW-Authenticate": "Bearer"} if status is UNAUTHORIZED else None
+    headers = None
+    if status is UNAUTHORIZED:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif status.http in (429, 503):
+        headers = {"Retry-After": "1"}  # both pass: a slot frees up, the model finishes loading
     return JSONResponse(error_body(status, message, getattr(error, "param", None)), status_code=status.http,
                         headers=headers)
 

@@ -314,7 +314,7 @@ def test_one_limit_for_grpc_and_http(server, http):
             for c in clients:
                 await c.close()
     r = asyncio.run(body())
-    assert r.status_code == 429 and error_of(r)["code"] == "overloaded"
+    assert r.status_code == 429 and error_of(r)["code"] == "overloaded" and r.headers["retry-after"] == "1"
     assert "max_concurrent_streams" in error_of(r)["message"]
     wait_idle(server)
     metrics = httpx.get(f"http://127.0.0.1:{server.server.metrics_port}/metrics").text
