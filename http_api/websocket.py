@@ -215,7 +215,7 @@ async def speech_stream(ws: WebSocket) -> None:
             speaker.result()
         await ws.send_text(json.dumps({"type": "done", **call.summary()}))
         await ws.close(_CLOSE_NORMAL)
-    except (ClientGone, WebSocketDisconnect):
+    except (ClientGone, WebSocketDisconnect):  # starlette turns a send to a closed socket into the latter
         call.status = "CANCELLED"
     except asyncio.CancelledError:
         call.status = "CANCELLED"
