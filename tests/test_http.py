@@ -360,8 +360,8 @@ def check_audio_messages(received: list[dict]) -> bytes:
 
 def test_websocket_streams_text_pieces(server):
     messages = [{"type": "config", "voice": "alloy", "format": "pcm", "options": {"seed": 3}},
-                {"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}, {"type": "flush"},
-                {"type": "text", "text": "Bye."}, {"type": "end"}]
+                {"type": "text", "text": "Hi"}, {"type": "text", "text": " there."}, {"type": "text", "text": " Bye"},
+                {"type": "flush"}, {"type": "end"}]
     received, code = asyncio.run(ws_session(server.ws, messages))
     assert code == 1000
     assert received[0] == {"type": "ready", "request_id": received[0]["request_id"], "format": "pcm",
@@ -376,7 +376,7 @@ def test_websocket_streams_text_pieces(server):
 def test_websocket_compressed_format_and_query_token(server):
     url = server.ws + "?api_key=" + TOKEN  # browsers cannot set headers on a WebSocket
     messages = [{"type": "config", "voice": "tiny_sft_spk", "format": "webm", "options": {"seed": 1}},
-                {"type": "text", "text": "Hi there."}, {"type": "end"}]
+                {"type": "text", "text": "Hi."}, {"type": "end"}]
     received, code = asyncio.run(ws_session(url, messages, headers=None))
     assert code == 1000 and received[0]["content_type"] == "audio/webm;codecs=opus"
     data = check_audio_messages(received)
