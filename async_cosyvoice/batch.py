@@ -254,7 +254,7 @@ async def synthesize_entry(synth: "Synthesizer", entry: Entry, *, seed: int = 0,
                            text_frontend: bool = True) -> float:
     """Synthesize one entry (non-streaming) and write its wav; returns its audio seconds."""
     from .frontend.audio import load_audio
-    from .tts import Mode, SynthesisOptions, SynthesisRequest
+    from .request import Mode, SynthesisOptions, SynthesisRequest
 
     prompt = await asyncio.to_thread(load_audio, entry.prompt_wav)
     mode = Mode.ZERO_SHOT if entry.prompt_text.strip() else Mode.CROSS_LINGUAL

@@ -30,3 +30,7 @@ class Overloaded(CosyVoiceError):
 
 class Unsupported(CosyVoiceError):
     """A valid request this model or configuration cannot serve. -> FAILED_PRECONDITION"""
+
+
+class TextTimeout(CosyVoiceError):
+    """A text stream sent no piece (nor its end) for longer than limits.text_idle_seconds. -> DEADLINE_EXCEEDED"""

@@ -14,7 +14,8 @@ import soundfile as sf
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
 from grpc_async.client import CosyVoiceClient, client_main, collect, fix_wav_sizes
-from grpc_async.server import ServerThread, wav_header
+from grpc_async.encoding import wav_header
+from grpc_async.server import ServerThread
 
 TOKEN = "test-token-123"
 PROMPT_TEXT = "The morning train was late again, so I walked along the river."

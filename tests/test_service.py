@@ -19,11 +19,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import InvalidRequest
+from async_cosyvoice.rules import RequestRules
 from async_cosyvoice.speakers import SpeakerStore
 from grpc_async import SERVICE_NAME, pb2, pb2_grpc
 from grpc_async.client import CosyVoiceClient, audio_data, chunk_samples, collect
-from grpc_async.server import (AudioEncoder, CosyVoiceServicer, SentenceSplitter, ServerThread,
-                               _decode_audio, wav_header)
+from async_cosyvoice.frontend.sentences import SentenceSplitter
+from grpc_async.encoding import AudioEncoder, wav_header
+from grpc_async.server import ServerThread
+from grpc_async.servicer import CosyVoiceServicer, _decode_audio
 from grpc_async.metrics import Metrics
 
 SAMPLES_PER_TOKEN = 960  # at 24 kHz
@@ -170,13 +173,13 @@ def _wav_bytes(seconds: float, rate: int = 16000) -> bytes:
 
 def test_options_defaults_are_safe(servicer):
     req = pb2.SynthesizeRequest(text="Hi.", sft=pb2.Sft(speaker_id="a"))
-    sreq, out = servicer._synthesis_request(req, "rid")
+    sreq, out = servicer._synthesis_request(req, req.text, "rid")
     assert sreq.options.speed == 1.0 and sreq.options.text_frontend is True and sreq.options.seed is None
     assert out.encoding == pb2.AUDIO_ENCODING_PCM16 and out.sample_rate == 24000 and not out.stream
     req.options.text_frontend = False
     req.options.seed = 0
     req.options.speed = 1.5
-    sreq, _ = servicer._synthesis_request(req, "rid")
+    sreq, _ = servicer._synthesis_request(req, req.text, "rid")
     assert sreq.options.text_frontend is False and sreq.options.seed == 0 and sreq.options.speed == 1.5
 
 
@@ -191,35 +194,38 @@ def test_options_defaults_are_safe(servicer):
     (lambda r: setattr(r, "text", "x" * 51), "51 characters long; the limit is 50"),
     (lambda r: r.ClearField("sft"), "no mode set"),
     (lambda r: setattr(r.sft, "speaker_id", "../etc/passwd"), "contains '/'"),
-    (lambda r: setattr(r, "request_id", "bad id!"), None),
+    (lambda r: setattr(r.options, "max_tokens", 0), "max_tokens must be in 1..3000"),
 ])
 def test_invalid_requests(servicer, mutate, message):
+    """Proto shape errors come from the servicer, value errors from the library's one rule book."""
     req = pb2.SynthesizeRequest(text="Hi.", sft=pb2.Sft(speaker_id="a"))
     mutate(req)
-    with pytest.raises(InvalidRequest, match=message or "request_id"):
-        servicer._request_id(req.request_id)
-        servicer._synthesis_request(req, "rid")
+    rules = RequestRules.from_config(servicer.config)
+    with pytest.raises(InvalidRequest, match=message):
+        rules.check(servicer._synthesis_request(req, req.text, "rid")[0])
+
+
+def test_invalid_request_id(servicer):
+    with pytest.raises(InvalidRequest, match="request_id"):
+        servicer._request_id("bad id!")
 
 
 def test_audio_decoding_errors(servicer):
     with pytest.raises(InvalidRequest, match="prompt_audio: cannot decode"):
-        _decode_audio(pb2.AudioData(file=b"definitely not audio"), "prompt_audio", 30, "max_prompt_seconds")
+        _decode_audio(pb2.AudioData(file=b"definitely not audio"), "prompt_audio")
     with pytest.raises(InvalidRequest, match="prompt_audio is missing"):
-        _decode_audio(pb2.AudioData(), "prompt_audio", 30, "max_prompt_seconds")
+        _decode_audio(pb2.AudioData(), "prompt_audio")
     with pytest.raises(InvalidRequest, match="sample_rate is required"):
-        _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0", encoding=pb2.PCM_ENCODING_S16LE)),
-                      "prompt_audio", 30, "max_prompt_seconds")
+        _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0", encoding=pb2.PCM_ENCODING_S16LE)), "prompt_audio")
     with pytest.raises(InvalidRequest, match="encoding must be"):
-        _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0", sample_rate=16000)), "p", 30, "x")
+        _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0", sample_rate=16000)), "p")
     with pytest.raises(InvalidRequest, match="not a multiple"):
         _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0\0", encoding=pb2.PCM_ENCODING_S16LE,
-                                                   sample_rate=16000)), "p", 30, "x")
-    with pytest.raises(InvalidRequest, match=r"3.00 s long; the limit is 2 s \(limits.max_prompt_seconds\)"):
-        _decode_audio(pb2.AudioData(file=_wav_bytes(3.0)), "prompt_audio", 2.0, "max_prompt_seconds")
+                                                   sample_rate=16000)), "p")
     stereo = np.stack([np.full(1600, 0.5), np.full(1600, -0.5)], axis=1).astype(np.float32)
-    audio = _decode_audio(audio_data((stereo, 16000)), "p", 30, "x")
+    audio = _decode_audio(audio_data((stereo, 16000)), "p")
     assert audio.sample_rate == 16000 and audio.samples.shape == (1600,) and np.allclose(audio.samples, 0)
-    assert _decode_audio(pb2.AudioData(file=_wav_bytes(1.0)), "p", 30, "x").seconds == pytest.approx(1.0)
+    assert _decode_audio(pb2.AudioData(file=_wav_bytes(1.0)), "p").seconds == pytest.approx(1.0)
 
 
 # =============================================================================================
@@ -483,7 +489,7 @@ def _bad_requests(audio: dict) -> list[tuple[str, pb2.SynthesizeRequest | bytes,
          grpc.StatusCode.FAILED_PRECONDITION, "embedding-only"),
         ("zero_shot without transcript", pb2.SynthesizeRequest(text="Hi.", zero_shot=pb2.ZeroShot(
             prompt_audio=pb2.AudioData(file=audio["p24"]))),
-         grpc.StatusCode.INVALID_ARGUMENT, "prompt_text is empty"),
+         grpc.StatusCode.INVALID_ARGUMENT, "transcript (prompt_text)"),
     ]
 
 

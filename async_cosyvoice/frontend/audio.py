@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidRequest
 from ..models.dims import MelDims
-from ..tts import Audio
+from ..request import Audio
 
 AudioSource = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO]
 
