@@ -23,6 +23,11 @@ def cache_root() -> Path:
     return Path(base).expanduser() / "async_cosyvoice"
 
 
+def is_temp_name(name: str) -> bool:
+    """A file name the writers below use for work in progress (a leftover after a crash)."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename inside `path` durable."""
     fd = os.open(path, os.O_RDONLY)
