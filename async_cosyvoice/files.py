@@ -66,10 +66,6 @@ def atomic_write_bytes(path: str | Path, data: bytes, fsync: bool = True) -> Pat
     return Path(path)
 
 
-def atomic_write_text(path: str | Path, text: str, fsync: bool = True) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"), fsync=fsync)
-
-
 @contextmanager
 def atomic_directory(path: str | Path, finished: Callable[[Path], bool] = lambda p: False) -> Iterator[Path]:
     """Yield an empty temporary directory beside `path`; on success it replaces `path`.
