@@ -2,7 +2,7 @@
 
 - `cosyvoice2.yaml` is parsed by the tag-aware loader of `recipe.py` (`!new:` / `!name:` / `!apply:` kept as
   `Tagged` data, `!ref` resolved); the typed `ModelDims` come from it plus `CosyVoice-BlankEN/config.json`
-  (backbone shape).
+  (backbone shape) through the one table of `dims_map.py`.
 - State dicts are loaded with `torch.load(weights_only=True)` and normalized to the key names our modules
   use: the Qwen2 backbone moves to `backbone.*`, HiFT weight norm is folded into plain weights.
 - Every problem raises `ModelDirError` naming the file and what was expected.
