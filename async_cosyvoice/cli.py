@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .errors import CosyVoiceError
+from .errors import CosyVoiceError, ModelDirError
 
 
 def _config(args):
@@ -230,8 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .model_dir import ModelDirError
-
     try:
         return args.func(args)
     except (CosyVoiceError, ModelDirError) as e:

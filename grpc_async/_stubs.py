@@ -7,7 +7,7 @@ protobuf gets fresh stubs and nothing generated is ever committed. The modules a
 
 Environment:
   ASYNC_COSYVOICE_PROTO      path of cosyvoice.proto (default: next to this package or the repo's protos/)
-  ASYNC_COSYVOICE_STUBS_DIR  cache folder (default: $XDG_CACHE_HOME/async_cosyvoice/stubs)
+  ASYNC_COSYVOICE_STUBS_DIR  cache folder (default: `async_cosyvoice.files.cache_root()`/stubs)
 
 `python -m grpc_async._stubs` prints where the stubs are.
 """
@@ -17,11 +17,12 @@ import contextlib
 import hashlib
 import importlib.util
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
+
+from async_cosyvoice.files import atomic_directory, cache_root
 
 PROTO_NAME = "cosyvoice.proto"
 SERVICE_NAME = "cosyvoice.v1.CosyVoice"
@@ -42,10 +43,7 @@ def proto_path() -> Path:
 
 def _cache_root() -> Path:
     env = os.environ.get("ASYNC_COSYVOICE_STUBS_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "async_cosyvoice" / "stubs"
+    return Path(env) if env else cache_root() / "stubs"
 
 
 def _fingerprint(proto: bytes) -> str:
@@ -83,18 +81,9 @@ def stubs_dir() -> Path:
         target = root / key
         if (target / "cosyvoice_pb2_grpc.py").is_file():
             return target
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix=".gen-", dir=root))
-            try:
+        try:  # another process may win the race: its finished copy is kept
+            with atomic_directory(target, finished=lambda p: (p / "cosyvoice_pb2_grpc.py").is_file()) as work:
                 _compile(proto, work)
-                try:
-                    os.replace(work, target)  # atomic; another process may have won the race
-                except OSError:
-                    if not (target / "cosyvoice_pb2_grpc.py").is_file():
-                        raise
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
             return target
         except OSError as e:  # cache folder not writable: try the next one
             last_error = e

@@ -158,7 +158,7 @@ def test_full_size_random_model_synthesizes_on_cpu(tmp_path, prompt):
     """The official dimensions end to end on CPU: generate, load strictly, speak 20 tokens."""
     import shutil
 
-    from async_cosyvoice.tools.make_random_model import make_random_model
+    from async_cosyvoice.random_model import make_random_model
 
     model = make_random_model("cosyvoice2-0.5b", tmp_path / "full", seed=0)
     try:
