@@ -30,6 +30,8 @@ from async_cosyvoice.tts import Audio, Mode, SynthesisOptions, SynthesisRequest
 from ._stubs import load as _load_stubs
 from .encoding import ENCODING_FORMATS, MAX_CHUNK_BYTES, AudioEncoder, _Output, check_output
 from .metrics import Metrics
+from .server_info import server_info
+from .status_details import error_trailer
 from .sentences import SentenceSplitter
 
 if TYPE_CHECKING:
@@ -187,7 +189,14 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             code = grpc.StatusCode.INTERNAL
             message = f"internal error (request id {call.request_id}); see the server log"
         call.status, call.detail = code.name, message
-        await call.context.abort(code, message)
+        await call.context.abort(code, message, self._error_trailer(call, code, message, error))
+
+    @staticmethod
+    def _error_trailer(call: _Call, code: grpc.StatusCode, message: str, error: BaseException) -> tuple:
+        """google.rpc details (BadRequest field / RetryInfo) for the status trailer."""
+        method = pb2.DESCRIPTOR.services_by_name["CosyVoice"].methods_by_name.get(call.method)
+        return error_trailer(code, message, method.input_type if method else None,
+                             field=getattr(error, "field", None))
 
     def _finish(self, call: _Call) -> None:
         elapsed = call.elapsed()
@@ -487,3 +496,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             await asyncio.to_thread(store.delete, speaker_id)
             return pb2.DeleteSpeakerResponse()
         return await self._unary("DeleteSpeaker", context, body, request.speaker_id)
+
+    async def GetServerInfo(self, request: pb2.GetServerInfoRequest, context) -> pb2.GetServerInfoResponse:
+        async def body(call: _Call):
+            return server_info(self.config, None if self.closing else self.synth)
+        return await self._unary("GetServerInfo", context, body)
