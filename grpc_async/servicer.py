@@ -28,8 +28,10 @@ from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord
 from async_cosyvoice.tts import Synthesizer
 
 from ._stubs import load as _load_stubs
-from .encoding import MAX_CHUNK_BYTES, AudioEncoder, _Output
+from .encoding import ENCODING_FORMATS, MAX_CHUNK_BYTES, AudioEncoder, _Output, check_output
 from .metrics import Metrics
+from .server_info import server_info
+from .status_details import error_trailer
 
 pb2, pb2_grpc = _load_stubs()
 log = logging.getLogger("grpc_async.server")  # one logger for the whole service
@@ -178,7 +180,14 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             code = grpc.StatusCode.INTERNAL
             message = f"internal error (request id {call.request_id}); see the server log"
         call.status, call.detail = code.name, message
-        await call.context.abort(code, message)
+        await call.context.abort(code, message, self._error_trailer(call, code, message, error))
+
+    @staticmethod
+    def _error_trailer(call: _Call, code: grpc.StatusCode, message: str, error: BaseException) -> tuple:
+        """google.rpc details (BadRequest field / RetryInfo) for the status trailer."""
+        method = pb2.DESCRIPTOR.services_by_name["CosyVoice"].methods_by_name.get(call.method)
+        return error_trailer(code, message, method.input_type if method else None,
+                             field=getattr(error, "field", None))
 
     def _finish(self, call: _Call) -> None:
         elapsed = call.elapsed()
@@ -214,19 +223,27 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
 
     def _options(self, o: pb2.SynthesisOptions) -> tuple[SynthesisOptions, _Output]:
         """Proto options -> library options (their values are checked by the library's rules)."""
-        if o.encoding not in pb2.AudioEncoding.values():
-            raise InvalidRequest(f"options.encoding {o.encoding} is not a known AudioEncoding "
-                                 f"(PCM16 = 1, FLOAT32 = 2, WAV = 3)")
         rate = o.sample_rate or self._native_rate()
-        if not MIN_OUTPUT_RATE <= rate <= MAX_OUTPUT_RATE:
-            raise InvalidRequest(f"options.sample_rate must be 0 (native {self._native_rate()} Hz) or "
-                                 f"{MIN_OUTPUT_RATE}..{MAX_OUTPUT_RATE} Hz, got {rate}")
+        self._check_output(o.encoding, rate)
         options = SynthesisOptions(
             stream=o.stream, speed=o.speed if o.HasField("speed") else 1.0,
             text_frontend=o.text_frontend if o.HasField("text_frontend") else True,
             seed=o.seed if o.HasField("seed") else None,
             max_tokens=o.max_tokens if o.HasField("max_tokens") else None)
         return options, _Output(o.encoding or pb2.AUDIO_ENCODING_PCM16, rate, o.stream)
+
+    def _check_output(self, encoding: int, rate: int) -> None:
+        if encoding not in ENCODING_FORMATS:
+            known = ", ".join(f"{pb2.AudioEncoding.Name(v).removeprefix('AUDIO_ENCODING_')} = {v}"
+                              for v in pb2.AudioEncoding.values() if v)
+            raise InvalidRequest(f"options.encoding {encoding} is not a known AudioEncoding ({known})")
+        if not MIN_OUTPUT_RATE <= rate <= MAX_OUTPUT_RATE:
+            raise InvalidRequest(f"options.sample_rate must be 0 (native {self._native_rate()} Hz) or "
+                                 f"{MIN_OUTPUT_RATE}..{MAX_OUTPUT_RATE} Hz, got {rate}")
+        try:
+            check_output(encoding, rate)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"options.sample_rate: {e}") from None
 
     def _native_rate(self) -> int:
         return getattr(self.synth, "sample_rate", None) or NATIVE_SAMPLE_RATE
@@ -412,3 +429,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             await asyncio.to_thread(store.delete, request.speaker_id)
             return pb2.DeleteSpeakerResponse()
         return await self._unary("DeleteSpeaker", context, body, request.speaker_id)
+
+    async def GetServerInfo(self, request: pb2.GetServerInfoRequest, context) -> pb2.GetServerInfoResponse:
+        async def body(call: _Call):
+            return server_info(self.config, None if self.closing else self.synth)
+        return await self._unary("GetServerInfo", context, body)
