@@ -10,14 +10,14 @@ import dataclasses
 
 import numpy as np
 
-from async_cosyvoice.audio_encoding import (AudioStreamEncoder, audio_format, check_sample_rate,
-                                            float_to_pcm16, wav_header)
+from async_cosyvoice.audio_encoding import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, AudioStreamEncoder,
+                                            audio_format, check_sample_rate, float_to_pcm16, wav_header)
 
 from ._stubs import load as _load_stubs
 
 pb2, _ = _load_stubs()
 
-__all__ = ["AudioEncoder", "ENCODING_FORMATS", "MAX_CHUNK_BYTES", "float_to_pcm16", "wav_header"]
+__all__ = ["AudioEncoder", "DEFAULT_ENCODING", "ENCODING_FORMATS", "MAX_CHUNK_BYTES", "float_to_pcm16", "wav_header"]
 
 MAX_CHUNK_BYTES = 1 << 20      # larger payloads are split over several AudioChunks
 
@@ -27,10 +27,29 @@ ENCODING_FORMATS: dict[int, str] = {
     pb2.AUDIO_ENCODING_PCM16: "pcm",
     pb2.AUDIO_ENCODING_FLOAT32: "f32",
     pb2.AUDIO_ENCODING_WAV: "wav",
-    **{getattr(pb2, f"AUDIO_ENCODING_{name.upper()}"): name
-       for name in ("opus", "mp3", "aac", "flac", "webm") if hasattr(pb2, f"AUDIO_ENCODING_{name.upper()}")},
+    pb2.AUDIO_ENCODING_OPUS: "opus",
+    pb2.AUDIO_ENCODING_MP3: "mp3",
+    pb2.AUDIO_ENCODING_AAC: "aac",
+    pb2.AUDIO_ENCODING_FLAC: "flac",
+    pb2.AUDIO_ENCODING_WEBM_OPUS: "webm",
 }
+DEFAULT_ENCODING = pb2.AUDIO_ENCODING_PCM16
 _BYTES_PER_SAMPLE = {"pcm": 2, "wav": 2, "f32": 4}   # raw formats; compressed ones have none
+
+
+def encoding_info() -> list[pb2.AudioEncodingInfo]:
+    """What GetServerInfo says about each encoding (from the library's format table)."""
+    out = []
+    for encoding, name in ENCODING_FORMATS.items():
+        if encoding == pb2.AUDIO_ENCODING_UNSPECIFIED:
+            continue
+        fmt = audio_format(name)
+        rates = fmt.sample_rates or ()
+        out.append(pb2.AudioEncodingInfo(
+            encoding=encoding, content_type=fmt.content_type, sample_rates=rates,
+            min_sample_rate=min(rates) if rates else MIN_SAMPLE_RATE,
+            max_sample_rate=max(rates) if rates else MAX_SAMPLE_RATE, bitrate=fmt.bitrate or 0))
+    return out
 
 
 def check_output(encoding: int, sample_rate: int) -> None:
@@ -49,7 +68,7 @@ class AudioEncoder:
 
     def __init__(self, encoding: int, in_rate: int, out_rate: int, stream: bool,
                  max_chunk_bytes: int = MAX_CHUNK_BYTES):
-        self.encoding = encoding or pb2.AUDIO_ENCODING_PCM16
+        self.encoding = encoding or DEFAULT_ENCODING
         fmt = ENCODING_FORMATS[self.encoding]
         self.out_rate = out_rate
         self._collect = fmt == "wav" and not stream

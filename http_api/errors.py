@@ -11,8 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Overloaded, SpeakerExists,
-                                   SpeakerNotFound, Unsupported)
+from async_cosyvoice.errors import (InvalidRequest, NotReady, Overloaded, SpeakerExists, SpeakerNotFound,
+                                   TextTimeout, Unsupported)
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ _STATUS_OF: list[tuple[type[Exception], Status]] = [
     (Unsupported, Status(400, "invalid_request_error", "unsupported")),
     (SpeakerNotFound, Status(404, "invalid_request_error", "voice_not_found")),
     (SpeakerExists, Status(409, "invalid_request_error", "voice_exists")),
+    (TextTimeout, Status(408, "invalid_request_error", "text_timeout")),
     (Overloaded, Status(429, "rate_limit_error", "overloaded")),
     (NotReady, Status(503, "server_error", "unavailable")),
 ]

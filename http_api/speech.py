@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from async_cosyvoice.errors import InvalidRequest
-from async_cosyvoice.tts import AudioChunk, SynthesisOptions, SynthesisRequest
+from async_cosyvoice.request import AudioChunk, SynthesisOptions, SynthesisRequest
 
 from .audio import OPENAI_FORMATS, OPENAI_SAMPLE_RATE, EncodedAudio
 from .backend import Backend, backend_of
@@ -107,8 +107,7 @@ async def create_speech(body: SpeechRequest, request: Request):
         call.mode = choice.mode.value
         call.stream = body.speed == 1.0  # speed is applied to a whole utterance's mel (upstream rule)
         await cleanup.enter_async_context(backend.limiter.slot())
-        options = SynthesisOptions(stream=call.stream, speed=body.speed, seed=body.seed,
-                                   first_hop=backend.config.token2wav.first_hop)
+        options = SynthesisOptions(stream=call.stream, speed=body.speed, seed=body.seed)
         chunks = synth.synthesize(SynthesisRequest(
             mode=choice.mode, text=body.input, speaker_id=choice.speaker_id, instruct_text=choice.instruct_text,
             options=options, request_id=call.request_id))

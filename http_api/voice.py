@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import InvalidRequest, SpeakerNotFound
+from async_cosyvoice.request import Mode
 from async_cosyvoice.speakers import validate_speaker_id
-from async_cosyvoice.tts import Mode
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from async_cosyvoice.errors import InvalidRequest
-from async_cosyvoice.request import FLUSH
-from async_cosyvoice.tts import SynthesisOptions, SynthesisRequest
+from async_cosyvoice.request import FLUSH, SynthesisOptions, SynthesisRequest
 
 from .audio import STREAM_FORMATS, EncodedAudio
 from .backend import Backend
@@ -83,7 +82,7 @@ def _options(backend: Backend, given: object) -> SynthesisOptions:
     if seed is not None and seed < 0:
         raise InvalidRequest(f"config.options.seed must be >= 0, got {seed}")
     return SynthesisOptions(stream=True, seed=seed, text_frontend=given.get("text_frontend", True),
-                            first_hop=given.get("first_hop", backend.config.token2wav.first_hop))
+                            first_hop=given.get("first_hop"))
 
 
 class _Session:
