@@ -133,9 +133,8 @@ def cmd_speakers(args) -> int:
 
 # -- serve / client / bench / batch --------------------------------------------------------------
 
-def cmd_serve(args) -> int:
-    from grpc_async.server import run
-
+def serve_config(args):
+    """The config `serve` runs: the file/env config with --port (-1: no gRPC) and --http-port."""
     config = _config(args)
     server = {}
     if args.port is not None:
@@ -144,7 +143,13 @@ def cmd_serve(args) -> int:
         server["http_port"] = args.http_port
     if server:
         config = config.model_copy(update={"server": config.server.model_copy(update=server)})
-    run(config)
+    return config
+
+
+def cmd_serve(args) -> int:
+    from grpc_async.server import run
+
+    run(serve_config(args))
     return 0
 
 

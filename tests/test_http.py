@@ -24,6 +24,7 @@ import pytest
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
+from async_cosyvoice.cli import build_parser, serve_config
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
 from grpc_async.client import CosyVoiceClient, collect
@@ -93,6 +94,14 @@ def error_of(response: httpx.Response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
     return body["error"]
+
+
+def test_cli_serve_ports():
+    config = serve_config(build_parser().parse_args(["serve", "--http-port", "8080"]))
+    assert config.server.http_port == 8080 and config.server.port == 50051
+    config = serve_config(build_parser().parse_args(["serve", "--http-port", "0", "--port", "-1"]))
+    assert config.server.http_port == 0 and config.server.port is None  # HTTP only
+    assert serve_config(build_parser().parse_args(["serve"])).server.http_port is None  # off by default
 
 
 # ---------------------------------------------------------------------------------------------
