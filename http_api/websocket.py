@@ -65,7 +65,7 @@ async def _receive(ws: WebSocket) -> dict:
     return data
 
 
-def _options(backend: Backend, given: object) -> SynthesisOptions:
+def _options(given: object) -> SynthesisOptions:
     if given is None:
         given = {}
     if not isinstance(given, dict):
@@ -92,7 +92,7 @@ class _Session:
         self.ws, self.backend, self.call = ws, backend, call
         self.pieces: asyncio.Queue = asyncio.Queue()  # str | FLUSH | None (end)
 
-    async def configure(self) -> tuple[SynthesisRequest, str, int]:
+    async def configure(self) -> tuple[SynthesisRequest, str, int, str | None]:
         backend, call = self.backend, self.call
         synth = backend.synthesizer()
         config = await _receive(self.ws)
@@ -100,7 +100,7 @@ class _Session:
             raise InvalidRequest(f'the first message must be {{"type": "config", "voice": ...}}, got type '
                                  f'{config["type"]!r}')
         unknown = sorted(set(config) - {"type", "voice", "instructions", "format", "sample_rate", "options",
-                                        "request_id"})
+                                        "request_id", "text_mode"})
         if unknown:
             raise InvalidRequest(f"config: unknown field(s) {', '.join(unknown)}")
         fmt = config.get("format", "pcm")
@@ -115,16 +115,19 @@ class _Session:
             if not isinstance(request_id, str) or not _REQUEST_ID_RE.fullmatch(request_id):
                 raise InvalidRequest("config.request_id must be 1-64 characters from A-Z a-z 0-9 _ . -")
             call.request_id = request_id
+        text_mode = config.get("text_mode")  # None: the library's default ("sentence")
+        if text_mode is not None and not isinstance(text_mode, str):
+            raise InvalidRequest("config.text_mode must be a string (sentence or bistream)")
         instructions = config.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise InvalidRequest("config.instructions must be a string")
-        options = _options(backend, config.get("options"))
+        options = _options(config.get("options"))
         call.voice, call.format, call.stream = str(config.get("voice", ""))[:80], fmt, True
         choice = await choose_voice(synth, backend.config, config.get("voice"), instructions, "config.voice")
         call.mode = choice.mode.value
         request = SynthesisRequest(mode=choice.mode, text="", speaker_id=choice.speaker_id,
                                    instruct_text=choice.instruct_text, options=options, request_id=call.request_id)
-        return request, fmt, rate
+        return request, fmt, rate, text_mode
 
     async def read(self) -> None:
         """Text pieces into the queue until `end`; then only a close is expected. Returns never:
@@ -161,10 +164,10 @@ class _Session:
         while (item := await self.pieces.get()) is not None:
             yield item
 
-    async def speak(self, synth, request: SynthesisRequest, audio: EncodedAudio) -> None:
+    async def speak(self, synth, request: SynthesisRequest, audio: EncodedAudio, text_mode: str | None) -> None:
         call = self.call
         final_sent = False
-        async with contextlib.aclosing(synth.synthesize_stream(self.text(), request)) as chunks:
+        async with contextlib.aclosing(synth.synthesize_stream(self.text(), request, text_mode=text_mode)) as chunks:
             async for chunk in chunks:
                 data = await audio.encode(chunk.samples)
                 if chunk.is_final:
@@ -198,14 +201,14 @@ async def speech_stream(ws: WebSocket) -> None:
     await ws.accept()
     try:
         backend.check_token(_bearer(ws))
-        request, fmt, rate = await session.configure()
+        request, fmt, rate, text_mode = await session.configure()
         synth = backend.synthesizer()
         async with backend.limiter.slot():
             audio = await EncodedAudio.open(fmt, rate, synth.sample_rate, backend.encode_pool)
             await ws.send_text(json.dumps({"type": "ready", "request_id": call.request_id, "format": fmt,
                                            "sample_rate": rate, "content_type": audio.content_type}))
             reader = asyncio.create_task(session.read())
-            speaker = asyncio.create_task(session.speak(synth, request, audio))
+            speaker = asyncio.create_task(session.speak(synth, request, audio, text_mode))
             tasks = [reader, speaker]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if not speaker.done():  # the reader ended first: the client closed or sent a bad message

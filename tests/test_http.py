@@ -36,6 +36,7 @@ PROMPT_TEXT = "The morning train was late again, so I walked along the river."
 RATE = 24000
 CHUNK_SLACK = 15 * 960  # "within one chunk": a first chunk of the default hop (15 tokens) at 24 kHz
 LIMIT = 6
+TEXT_IDLE = 4.0  # limits.text_idle_seconds
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def server(tiny_dir, tmp_path_factory):
         "server": {"port": 0, "http_port": 0, "metrics_port": 0, "grace_seconds": 2, "auth_token": TOKEN,
                    "voice_aliases": {"alloy": "tiny_zs_spk", "echo": "tiny_sft_spk"}},
         "limits": {"max_concurrent_streams": LIMIT, "max_text_chars": 300, "max_prompt_seconds": 10.0,
-                   "max_message_bytes": 2 * 1024 * 1024},
+                   "max_message_bytes": 2 * 1024 * 1024, "text_idle_seconds": TEXT_IDLE},
     })
     st = ServerThread(cfg, ready_timeout=900)
     st.base = f"http://127.0.0.1:{st.server.http_port}"
@@ -414,6 +415,8 @@ def test_websocket_compressed_format_and_query_token(server):
     ([{"type": "config", "voice": "alloy"}, {"type": "config", "voice": "alloy"}], AUTH, "invalid_request",
      "config may be sent only once"),
     ([{"type": "config", "voice": "alloy"}, b"\x00\x01"], AUTH, "invalid_request", "binary frames"),
+    ([{"type": "config", "voice": "alloy", "text_mode": "paragraph"}, {"type": "text", "text": "Hi."}], AUTH,
+     "invalid_request", "text_mode must be"),
     ([{"type": "config", "voice": "alloy"}], {"Authorization": "Bearer nope"}, "invalid_api_key",
      "invalid bearer token"),
     ([{"type": "config", "voice": "alloy"}], None, "invalid_api_key", "missing"),
@@ -423,6 +426,15 @@ def test_websocket_errors(server, messages, headers, code, message):
     error = received[-1]
     assert error["type"] == "error" and error["code"] == code and message in error["message"], received
     assert close_code == 4000 + error["status"]
+
+
+def test_websocket_text_idle_timeout(server):
+    """A session that stops sending text (and never ends) is closed after limits.text_idle_seconds."""
+    t0 = time.monotonic()
+    received, close_code = asyncio.run(ws_session(server.ws, [{"type": "config", "voice": "alloy"}]))
+    assert received[-1]["code"] == "text_timeout" and "limits.text_idle_seconds" in received[-1]["message"]
+    assert close_code == 4408 and time.monotonic() - t0 >= TEXT_IDLE
+    wait_idle(server)
 
 
 def test_websocket_invalid_json_after_audio_started(server):
