@@ -11,8 +11,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from async_cosyvoice.errors import (InvalidRequest, NotReady, Overloaded, SpeakerExists, SpeakerNotFound,
-                                   TextTimeout, Unsupported)
+from async_cosyvoice.errors import (
+    InvalidRequest,
+    NotReady,
+    Overloaded,
+    SpeakerExists,
+    SpeakerNotFound,
+    TextTimeout,
+    Unsupported,
+)
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,9 @@ class _Session:
             yield item
 
     async def speak(self, synth, request: SynthesisRequest, audio: EncodedAudio, text_mode: str | None) -> None:
+        """Chunks of the text stream -> audio messages; the library ends every stream with a final chunk
+        (it may carry no samples), which also carries the encoder's tail."""
         call = self.call
-        final_sent = False
         async with contextlib.aclosing(synth.synthesize_stream(self.text(), request, text_mode=text_mode)) as chunks:
             async for chunk in chunks:
                 data = await audio.encode(chunk.samples)
@@ -178,14 +179,8 @@ class _Session:
                     "type": "audio", "index": chunk.index, "sample_offset": chunk.sample_offset,
                     "num_samples": len(chunk.samples), "is_final": chunk.is_final,
                     "audio": base64.b64encode(data).decode()}))
-                final_sent = chunk.is_final
                 if chunk.is_final:
                     break
-        if not final_sent:  # the stream ended without a flagged final chunk: close the encoder anyway
-            data = await audio.finish()
-            await self.ws.send_text(json.dumps({
-                "type": "audio", "index": call.chunks, "sample_offset": int(round(call.audio_seconds * synth.sample_rate)),
-                "num_samples": 0, "is_final": True, "audio": base64.b64encode(data).decode()}))
 
 
 _CLOSE_NORMAL = 1000

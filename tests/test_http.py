@@ -13,7 +13,6 @@ import io
 import json
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import av
 import grpc
