@@ -18,8 +18,9 @@ log = logging.getLogger("http_api")
 class HttpFrontDoor:
     def __init__(self, backend: Backend, host: str, port: int):
         self.backend = backend
+        # one log line per request is ours (logger http_api); uvicorn logs only warnings and errors
         self._config = uvicorn.Config(create_app(backend), host=host, port=port, lifespan="off", access_log=False,
-                                      log_config=None, ws="websockets-sansio", ws_max_size=1 << 20,
+                                      log_config=None, log_level="warning", ws="websockets-sansio", ws_max_size=1 << 20,
                                       timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(self._config)
         self.host = host

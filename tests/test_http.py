@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import shutil
+import threading
 import time
 
 import av
@@ -525,3 +526,46 @@ def test_web_page_speaks_in_chromium(server, browser, tmp_path):
     assert "cannot follow instructions" in page.text_content("#error")
     page.close()
     wait_idle(server)
+
+
+# ---------------------------------------------------------------------------------------------
+# Last: shutting the module's server down
+
+
+def test_shutdown_drains_an_http_stream(server, reference_pcm):
+    """stop(): new requests are refused while an HTTP stream in flight runs to its end, then the
+    port closes (one drain for both front doors: the shared limiter's idle event)."""
+    got, first = {}, threading.Event()
+
+    def listen():
+        body = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm", "seed": 7}
+        with httpx.stream("POST", server.base + "/v1/audio/speech", json=body, headers=AUTH, timeout=120) as r:
+            pieces = []
+            for piece in r.iter_raw():
+                pieces.append(piece)
+                first.set()
+            got["data"] = b"".join(pieces)
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    assert first.wait(120)
+    stopping = server.call(_stop_later(server), timeout=10)
+    refused = httpx.post(server.base + "/v1/audio/speech", headers=AUTH,
+                         json={"model": "tts-1", "voice": "alloy", "input": "Hi."})
+    assert refused.status_code == 503 and "shutting down" in error_of(refused)["message"]
+    listener.join(120)
+    assert len(got["data"]) // 2 == len(reference_pcm)  # the stream in flight was not cut
+    server.call(_wait(stopping), timeout=120)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.base + "/healthz")
+
+
+async def _stop_later(st: ServerThread) -> asyncio.Future:
+    """Start a graceful stop on the server's loop and return its future (to await later)."""
+    stop = asyncio.ensure_future(st.server.stop(grace=60))
+    await asyncio.sleep(0)  # let it flip to closing before we return
+    return stop
+
+
+async def _wait(future: asyncio.Future):
+    return await future
