@@ -493,7 +493,7 @@ def browser():
         b.close()
 
 
-def test_web_page_speaks_in_chromium(server, browser, tmp_path):
+def test_web_page_speaks_in_chromium(server, browser, tmp_path, golden_dir):
     page = browser.new_page()
     console = []
     page.on("console", lambda m: console.append(m.text))
@@ -524,7 +524,17 @@ def test_web_page_speaks_in_chromium(server, browser, tmp_path):
     page.wait_for_function("document.getElementById('error').textContent.length > 0", timeout=30_000)
     assert "400 invalid_request" in page.text_content("#error")
     assert "cannot follow instructions" in page.text_content("#error")
+
+    # a new voice from an uploaded recording + transcript is registered and selected
+    page.fill("#new-id", "page_voice")
+    page.set_input_files("#new-audio", str(golden_dir / "prompt_16k.wav"))
+    page.fill("#new-transcript", PROMPT_TEXT)
+    page.click("#register")
+    page.wait_for_function("document.getElementById('status').textContent === 'Registered page_voice.'",
+                           timeout=60_000)
+    assert page.input_value("#voice") == "page_voice" and page.text_content("#error") == ""
     page.close()
+    assert httpx.delete(server.base + "/v1/audio/voices/page_voice", headers=AUTH).status_code == 200
     wait_idle(server)
 
 

@@ -152,8 +152,8 @@ async function register() {
   $("status").textContent = "Registering…";
   const response = await fetch("/v1/audio/voices", { method: "POST", headers: headers(), body: form });
   if (!response.ok) { showError(await apiError(response)); $("status").textContent = "Failed."; return; }
-  $("status").textContent = `Registered ${id}.`;
   await loadVoices(id);
+  $("status").textContent = `Registered ${id}.`;
 }
 
 $("speak").addEventListener("click", speak);
