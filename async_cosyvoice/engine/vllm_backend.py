@@ -21,13 +21,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, Sequence
 
 import torch
 
 from ..errors import InvalidRequest, NotReady, Unsupported
 from ..models.dims import STOP_TOKENS
-from .base import EngineStats, GenerationRequest
+from .base import BistreamRequest, EngineStats, GenerationRequest
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -105,6 +105,8 @@ def _import_vllm():
 class VLLMEngine:
     """`SpeechTokenEngine` on vLLM. `lm` supplies the prompt embedding tables; when None, only the
     three embedding tables are read from `model_dir`'s llm.pt (the backbone is never allocated)."""
+
+    supports_bistream = False  # see generate_bistream
 
     def __init__(self, lm: "CosyVoice2LM | None", model_dir: "ModelDir | str | Path",
                  args: VLLMEngineArgs = VLLMEngineArgs()):
@@ -227,6 +229,25 @@ class VLLMEngine:
             # Closing vLLM's generator aborts the request if it is still running (consumer
             # cancelled or stopped early); a finished stream closes as a no-op.
             await stream.aclose()
+
+    async def generate_bistream(self, request: BistreamRequest,
+                                text: AsyncIterator[Sequence[int]]) -> AsyncIterator[list[int]]:
+        """Not supported: raises `Unsupported` (callers fall back to sentence pipelining).
+
+        vLLM 0.32 can extend a running request: `AsyncLLM.generate` takes an async generator of
+        `StreamingInput` chunks (a "resumable" request); each chunk's prompt is appended to the
+        same request and KV cache, decoding runs until a stop id or max_tokens, and the last sampled
+        token (the fill, here) is dropped, not fed (`Scheduler._update_request_as_session`). That
+        matches bistream's shape, but `_add_streaming_input_request` rejects chunks given as
+        prompt_embeds ("prompt_embeds not supported for streaming inputs"), and this engine can
+        only give prompts as embeddings: text ids and the sos/task rows are not in the exported
+        model's 6564-id vocabulary. It would also need per-chunk SamplingParams carrying the
+        forced-fill index and a RAS window that includes the earlier chunks' outputs and fills
+        (vLLM moves a finished chunk's outputs into the prompt and drops the fill).
+        """
+        raise Unsupported("the vLLM engine does not support bistream (vLLM 0.32 rejects prompt_embeds in "
+                          "streaming input); use the native engine or sentence mode")
+        yield []  # an async generator, like the other engines' generate_bistream
 
     async def abort(self, request_id: str) -> None:
         if self.llm is not None:
