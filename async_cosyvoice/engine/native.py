@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -182,10 +183,10 @@ class NativeEngine:
                 if seq.status is SeqStatus.FINISHED:
                     return
                 tokens = list(piece)
-                bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self._text_vocab)]
+                bad = [t for t in tokens if not (isinstance(t, numbers.Integral) and 0 <= t < self._text_vocab)]
                 if bad:
                     raise InvalidRequest(f"text token ids must be ints in [0, {self._text_vocab}); got {bad[:5]}")
-                seq.schedule.add_text(tokens)
+                seq.schedule.add_text(int(t) for t in tokens)
                 self._advance(seq)
             seq.schedule.end_text()
             self._advance(seq)
