@@ -243,7 +243,8 @@ def fill_lm(lm):
 
 def cases(inputs):
     """(prompt text, prompt speech, text) with P = 75 (a multiple of 15), 20, 0 and 74."""
-    get = lambda key: inputs[key][0].tolist()  # noqa: E731
+    def get(key):
+        return inputs[key][0].tolist()
     prompt_text, speech, text = get("zero_shot/prompt_text"), get("zero_shot/llm_prompt_speech_token"), get(
         "zero_shot/text")
     return {"p75": (prompt_text, speech, text),

@@ -14,9 +14,9 @@ to the memory you have.
 
 Per-slot state lives on the device (last token, position, output count, RAS parameters and the
 repetition window), so a decode step needs only the slot ids, two uniforms and a forced-fill flag
-(bistream) per row from the host: the token embedding, forward, EOS/stop masking, RAS and the state update all happen on the
-device, inside one CUDA graph per (batch bucket, attention-length bucket). The last slot is a
-scratch slot that padding rows of a graph bucket read and write.
+(bistream) per row from the host: the token embedding, forward, EOS/stop masking, RAS and the
+state update all happen on the device, inside one CUDA graph per (batch bucket, attention-length
+bucket). The last slot is a scratch slot that padding rows of a graph bucket read and write.
 
 Reproducible seeds: RAS draws use two float64 uniforms per row per step, taken from the request's
 own torch.Generator when it has a seed, so its draws do not depend on the other rows.
@@ -175,7 +175,8 @@ class ModelRunner:
         tokens, logp = self._decode_rows(slots.to(self.device), uniforms, force.to(self.device), kv_len)
         return tokens.tolist(), logp
 
-    def _decode_rows(self, slots: Tensor, uniforms: Tensor, force: Tensor, kv_len: int) -> tuple[Tensor, Tensor | None]:
+    def _decode_rows(self, slots: Tensor, uniforms: Tensor, force: Tensor,
+                     kv_len: int) -> tuple[Tensor, Tensor | None]:
         """Static-shape decode: feed each slot's last token, sample the next. Graph-capturable."""
         pos = torch.where(slots == self.scratch, -1, self.position[slots])
         x = self.model.embed_speech(self.last_token[slots])[:, None]
@@ -183,7 +184,8 @@ class ModelRunner:
         self.position[slots] += 1
         return self._sample(hidden, slots, uniforms, force)
 
-    def _sample(self, hidden: Tensor, slots: Tensor, uniforms: Tensor, force: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _sample(self, hidden: Tensor, slots: Tensor, uniforms: Tensor,
+                force: Tensor) -> tuple[Tensor, Tensor | None]:
         """Sampled ids [B] (a bistream row's forced fill where `force`), and, with a recorder, the
         log-probs before masking."""
         logp = self.model.logits(hidden).float().log_softmax(-1)  # upstream samples from log-probs

@@ -53,8 +53,8 @@ class CosyVoice2LM(nn.Module):
 
     def embed_prompt(self, text_tokens: Sequence[int] | Tensor, prompt_speech_tokens: Sequence[int] | Tensor) -> Tensor:
         """[L, H] prefill embeddings, L = len(text) + len(prompt speech) + 2."""
-        as_ids = lambda t: tuple(torch.as_tensor(t).reshape(-1).tolist())  # noqa: E731
-        return self.embed_parts(prompt_parts(as_ids(text_tokens), as_ids(prompt_speech_tokens)))
+        text, speech = (tuple(torch.as_tensor(t).reshape(-1).tolist()) for t in (text_tokens, prompt_speech_tokens))
+        return self.embed_parts(prompt_parts(text, speech))
 
     def embed_parts(self, parts: Sequence[Part]) -> Tensor:
         """[L, H] embeddings of input rows given as parts, L = the total number of ids."""
