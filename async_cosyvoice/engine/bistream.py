@@ -118,6 +118,11 @@ class BistreamSchedule:
         return self.phase is Phase.TEXT and self.num_out == self._next_fill
 
     @property
+    def fill_index(self) -> int | None:
+        """The output index (len(out)) of the next forced fill; None once the text ended."""
+        return self._next_fill if self.phase is Phase.TEXT else None
+
+    @property
     def masks_eos(self) -> bool:
         """Whether EOS is masked for the next sample (upstream's ignore_eos)."""
         return self.phase is Phase.TEXT
