@@ -10,7 +10,7 @@ from async_cosyvoice.engine.base import BistreamRequest, EngineStats, Generation
 from async_cosyvoice.engine.bistream import BistreamSchedule, UnexpectedStopToken, Verdict
 from async_cosyvoice.engine.native import NativeEngine, NativeEngineConfig
 from async_cosyvoice.engine.recorder import StepRecorder
-from async_cosyvoice.errors import InvalidRequest, Unsupported
+from async_cosyvoice.errors import InvalidRequest
 from async_cosyvoice.models.dims import EOS2_TOKEN, EOS_TOKEN, FILL_TOKEN, RASParams
 from async_cosyvoice.models.llm import SOS, TASK, Table
 from async_cosyvoice.sampling import ras_sample
@@ -451,14 +451,3 @@ def test_cancel_abort_and_errors_free_the_slot(fill_lm, inputs):
         assert engine.stats() == EngineStats()
     run(make_engine(fill_lm, max_num_seqs=2), body)
 
-
-def test_vllm_engine_reports_no_bistream(tiny_dir):
-    from async_cosyvoice.engine.vllm_backend import VLLMEngine
-
-    engine = VLLMEngine(None, tiny_dir)
-    assert engine.supports_bistream is False and "prompt_embeds" in type(engine).generate_bistream.__doc__
-
-    async def body():
-        with pytest.raises(Unsupported, match="bistream"):
-            await collect(engine.generate_bistream(BistreamRequest("x", (), (), max_tokens=5), text_source([[1]])))
-    asyncio.run(body())

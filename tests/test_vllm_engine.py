@@ -533,3 +533,55 @@ def test_bistream_matches_native_engine(engine, ref_lm, model_inputs, runner):
         assert len(expected[name]) > 30, name
         assert got[name] == expected[name], name
     assert engine.supports_bistream
+
+
+def test_bistream_text_errors_and_cancel(engine, model_inputs, runner):
+    """A failing text source reaches the consumer as it is; bad ids are InvalidRequest; a request
+    stalled waiting for text is cancelled and leaves vLLM idle."""
+    from async_cosyvoice.engine.base import BistreamRequest
+    from async_cosyvoice.errors import InvalidRequest
+
+    text = [int(x) for x in model_inputs["zero_shot/text"].reshape(-1)]
+    prompt = tuple(int(x) for x in model_inputs["zero_shot/prompt_text"].reshape(-1))
+
+    async def scenario():
+        async def failing():
+            yield text[:8]
+            await asyncio.sleep(0.05)
+            raise ConnectionError("client went away")
+        with pytest.raises(ConnectionError, match="client went away"):
+            async for _ in engine.generate_bistream(BistreamRequest("b-fail", prompt, (), max_tokens=50), failing()):
+                pass
+
+        async def bad_ids():
+            yield [1, 2, 10 ** 9]
+        with pytest.raises(InvalidRequest, match="text token ids"):
+            async for _ in engine.generate_bistream(BistreamRequest("b-bad", prompt, (), max_tokens=50), bad_ids()):
+                pass
+
+        never = asyncio.Event()
+
+        async def stalled():
+            yield text[:12]
+            await never.wait()
+            yield text[12:]
+        got: list[int] = []
+
+        async def consume():
+            async for ids in engine.generate_bistream(BistreamRequest("b-stall", prompt, (), max_tokens=200,
+                                                                      ras=GREEDY), stalled()):
+                got.extend(ids)
+        task = asyncio.create_task(consume())
+        while len(got) < 15:
+            assert not task.done()
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)  # decoding or waiting for text in vLLM: either way it holds its KV blocks
+        assert not task.done() and engine.stats().kv_usage > 0
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await _wait_idle(engine)
+        return engine.stats()
+
+    idle = runner.run(scenario())
+    assert (idle.running, idle.waiting, idle.kv_usage) == (0, 0, 0.0)

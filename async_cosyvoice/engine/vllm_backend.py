@@ -4,7 +4,8 @@
   vLLM loads as `CosyVoice2ForCausalLM` (vllm_model.py, registered by the vllm_plugin entry point
   in every vLLM process).
 - Prompts go in as `prompt_embeds` built by our own `CosyVoice2LM.embed_prompt`, so text ids and
-  the sos/task rows never enter vLLM's vocabulary.
+  the sos/task rows never enter vLLM's vocabulary. Bistream (`generate_bistream`) uses vLLM's
+  streaming input, which takes ids only: the export adds an `input_rows` table for them.
 - Sampling is RAS through the engine-level `RASLogitsProcessor` (ras_processor.py), configured
   per request through `extra_args`; vLLM's own sampler stays neutral (temperature 1, no top-k/p).
 - Stop ids 6561/6562/6563 end a request and are dropped from the output; cancelling the consumer
