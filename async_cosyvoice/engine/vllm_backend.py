@@ -313,22 +313,29 @@ class VLLMEngine:
             request.request_id)
         try:
             async for out in stream:
-                ids = []
+                ids, chunk_done = [], False
                 for token in out.outputs[0].token_ids:
                     history.append(token)
                     verdict = schedule.accept(token)
                     if verdict is Verdict.EMIT:
                         ids.append(token)
-                    elif verdict is Verdict.FILL:
-                        send_next_input()
-                    else:
+                        continue
+                    chunk_done = True
+                    if verdict is Verdict.END:
                         break
+                    send_next_input()
                 ids = ids[:request.max_tokens - emitted]
                 if ids:
                     emitted += len(ids)
                     yield ids
                 if schedule.phase is Phase.DONE or emitted >= request.max_tokens:
                     return
+                if out.outputs[0].finish_reason is not None and not chunk_done:
+                    # a chunk ended without its fill / EOS: vLLM ran out of positions
+                    raise InvalidRequest(
+                        f"bistream request {request.request_id!r} reached max_model_len "
+                        f"({self.args.max_model_len}) positions; send shorter texts per request or raise "
+                        "engine max_model_len")
         except VLLMClientError as err:
             raise InvalidRequest(f"vLLM rejected request {request.request_id}: {err}") from err
         except EngineDeadError as err:
