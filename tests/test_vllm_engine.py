@@ -57,6 +57,7 @@ OTHER_LOGIT = -40.0
 GREEDY = RASParams(top_k=1)
 MODES = ("zero_shot", "cross_lingual", "instruct2", "sft")
 MAX_PARITY_TOKENS = 96
+MAX_BISTREAM_TOKENS = 160
 P_MIN = 1e-3  # chi-square acceptance threshold for the true rule
 P_REJECT = 1e-8  # the wrong rules (stale window, unmasked repeat) must fall below this
 
@@ -480,3 +481,107 @@ def test_abort_mid_generation(engine, runner):
         assert busy.running == 1 and busy.kv_usage > 0
         assert n < 400
         assert (idle.running, idle.waiting, idle.kv_usage) == (0, 0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# bistream through vLLM's streaming input
+# ---------------------------------------------------------------------------------------------
+
+def test_bistream_matches_native_engine(engine, ref_lm, model_inputs, runner):
+    """Greedy bistream on vLLM (one streaming-input chunk per input segment, as ids) gives the
+    native engine's tokens on the same weights: same segments, same forced fills, same double feed.
+    The native engine itself is checked against upstream's loop in test_bistream.py."""
+    from async_cosyvoice.engine.base import BistreamRequest
+    from async_cosyvoice.engine.native import NativeEngine, NativeEngineConfig
+
+    def get(key):
+        return tuple(int(x) for x in model_inputs[key].reshape(-1))
+    prompt_text, speech, text = get("zero_shot/prompt_text"), get("zero_shot/llm_prompt_speech_token"), get(
+        "zero_shot/text")
+    # short texts: every case reaches the final input (the double feed) well before max_tokens
+    cases = {"p75": (prompt_text, speech, text[:20]), "p20": (prompt_text, speech[:20], text[:12]),
+             "p0": (get("instruct2/prompt_text")[:3], (), text[4:20])}
+
+    async def pieces(tokens):  # uneven pieces, one loop turn apart
+        sizes, i, k = (3, 1, 6, 2, 5, 4), 0, 0
+        while i < len(tokens):
+            n = sizes[k % len(sizes)]
+            yield list(tokens[i:i + n])
+            i, k = i + n, k + 1
+            await asyncio.sleep(0)
+
+    async def run_all(eng, suffix):
+        async def one(name, case):
+            req = BistreamRequest(f"{name}-{suffix}", case[0], case[1], max_tokens=MAX_BISTREAM_TOKENS, ras=GREEDY)
+            out = []
+            async for ids in eng.generate_bistream(req, pieces(case[2])):
+                out += ids
+            return out
+        return dict(zip(cases, await asyncio.gather(*(one(n, c) for n, c in cases.items()))))
+
+    native = NativeEngine(ref_lm, NativeEngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=512))
+
+    async def with_native():
+        await native.start()
+        try:
+            return await run_all(native, "native")
+        finally:
+            await native.stop()
+    expected = runner.run(with_native())
+    got = runner.run(run_all(engine, "vllm"))
+    for name in cases:
+        assert len(expected[name]) > 30, name
+        assert got[name] == expected[name], name
+    assert engine.supports_bistream
+
+
+def test_bistream_text_errors_and_cancel(engine, model_inputs, runner):
+    """A failing text source reaches the consumer as it is; bad ids are InvalidRequest; a request
+    stalled waiting for text is cancelled and leaves vLLM idle."""
+    from async_cosyvoice.engine.base import BistreamRequest
+    from async_cosyvoice.errors import InvalidRequest
+
+    text = [int(x) for x in model_inputs["zero_shot/text"].reshape(-1)]
+    prompt = tuple(int(x) for x in model_inputs["zero_shot/prompt_text"].reshape(-1))
+
+    async def scenario():
+        async def failing():
+            yield text[:8]
+            await asyncio.sleep(0.05)
+            raise ConnectionError("client went away")
+        with pytest.raises(ConnectionError, match="client went away"):
+            async for _ in engine.generate_bistream(BistreamRequest("b-fail", prompt, (), max_tokens=50), failing()):
+                pass
+
+        async def bad_ids():
+            yield [1, 2, 10 ** 9]
+        with pytest.raises(InvalidRequest, match="text token ids"):
+            async for _ in engine.generate_bistream(BistreamRequest("b-bad", prompt, (), max_tokens=50), bad_ids()):
+                pass
+
+        never = asyncio.Event()
+
+        async def stalled():
+            yield text[:12]
+            await never.wait()
+            yield text[12:]
+        got: list[int] = []
+
+        async def consume():
+            async for ids in engine.generate_bistream(BistreamRequest("b-stall", prompt, (), max_tokens=200,
+                                                                      ras=GREEDY), stalled()):
+                got.extend(ids)
+        task = asyncio.create_task(consume())
+        while len(got) < 15:
+            assert not task.done()
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)  # decoding or waiting for text in vLLM: either way it holds its KV blocks
+        assert not task.done() and engine.stats().kv_usage > 0
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await _wait_idle(engine)
+        return engine.stats()
+
+    idle = runner.run(scenario())
+    assert (idle.running, idle.waiting, idle.kv_usage) == (0, 0, 0.0)

@@ -4,14 +4,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import Unsupported
-from .base import EngineStats, GenerationRequest, SpeechTokenEngine, length_limits
+from .base import BistreamRequest, EngineStats, GenerationRequest, SpeechTokenEngine, length_limits
 
 if TYPE_CHECKING:
     from ..config import Config
     from ..model_dir import ModelDir
     from ..models.llm import CosyVoice2LM
 
-__all__ = ["EngineStats", "GenerationRequest", "SpeechTokenEngine", "length_limits", "create_engine"]
+__all__ = ["BistreamRequest", "EngineStats", "GenerationRequest", "SpeechTokenEngine", "length_limits", "create_engine"]
 
 
 def create_engine(config: "Config", lm: "CosyVoice2LM", model_dir: "ModelDir") -> SpeechTokenEngine:

@@ -1,12 +1,13 @@
 """The protocol every speech-token engine implements (built-in and vLLM).
 
 An engine turns one LM prompt into a stream of speech tokens (ids 0..6560). Stop ids
-(6561/6562/6563) end the stream and are never yielded.
+(6561/6562/6563) end the stream and are never yielded. Engines with `supports_bistream` also
+take the text itself as a stream (`generate_bistream`, CosyVoice2's bistream mode, facts §2.7).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, runtime_checkable
+from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 from ..models.dims import RASParams
 
@@ -33,6 +34,30 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class BistreamRequest:
+    """One bistream generation: the prompt is given up front, the target text arrives as a stream
+    of Qwen token-id pieces (`SpeechTokenEngine.generate_bistream`).
+
+    Upstream's bistream loop has no length rules: EOS is masked while text streams and allowed
+    from the moment it ends (no min length), and nothing bounds the output. `max_tokens` is ours,
+    a safety bound on the speech tokens yielded (fills excluded); reaching it ends the stream.
+    `training_consistent` selects the training layout instead of upstream's inference loop
+    (engine/bistream.py says how they differ).
+    """
+    request_id: str
+    prompt_text_tokens: tuple[int, ...]    # normalized prompt transcript / instruct text (Qwen ids)
+    prompt_speech_tokens: tuple[int, ...]  # speech ids 0..6560 (may be empty)
+    max_tokens: int
+    ras: RASParams = field(default_factory=RASParams)
+    seed: int | None = None
+    training_consistent: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
 class EngineStats:
     running: int = 0
     waiting: int = 0
@@ -46,12 +71,22 @@ def length_limits(n_target_text_tokens: int, min_ratio: float = 2.0, max_ratio: 
 
 @runtime_checkable
 class SpeechTokenEngine(Protocol):
+    supports_bistream: bool  # whether generate_bistream works (else it raises Unsupported)
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         """Async iterator of token batches for one request. Cancelling the consumer aborts it."""
+        ...
+
+    def generate_bistream(self, request: BistreamRequest,
+                          text: AsyncIterator[Sequence[int]]) -> AsyncIterator[list[int]]:
+        """Async iterator of speech-token batches while `text` yields the target text as pieces of
+        Qwen token ids (each client piece tokenized on its own); the end of `text` is the end of
+        the text. An error raised by `text` ends the request and is raised to the consumer.
+        Cancelling the consumer aborts the request."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -13,10 +13,10 @@ The price is that each slot reserves max_model_len positions; size max_num_seqs 
 to the memory you have.
 
 Per-slot state lives on the device (last token, position, output count, RAS parameters and the
-repetition window), so a decode step needs only the slot ids and two uniforms per row from the
-host: the token embedding, forward, EOS/stop masking, RAS and the state update all happen on the
-device, inside one CUDA graph per (batch bucket, attention-length bucket). The last slot is a
-scratch slot that padding rows of a graph bucket read and write.
+repetition window), so a decode step needs only the slot ids, two uniforms and a forced-fill flag
+(bistream) per row from the host: the token embedding, forward, EOS/stop masking, RAS and the
+state update all happen on the device, inside one CUDA graph per (batch bucket, attention-length
+bucket). The last slot is a scratch slot that padding rows of a graph bucket read and write.
 
 Reproducible seeds: RAS draws use two float64 uniforms per row per step, taken from the request's
 own torch.Generator when it has a seed, so its draws do not depend on the other rows.
@@ -32,8 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.llm import CosyVoice2LM
+from ..models.dims import FILL_TOKEN
+from ..models.llm import CosyVoice2LM, Table, input_rows
 from ..sampling import ras_sample_batch, suppress_batch
+from .recorder import StepRecord, StepRecorder
 from .scheduler import PrefillChunk, StepPlan
 from .sequence import Sequence
 
@@ -53,8 +55,10 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, model: CosyVoice2LM, config: RunnerConfig, seed: int | None = None):
+    def __init__(self, model: CosyVoice2LM, config: RunnerConfig, seed: int | None = None,
+                 recorder: StepRecorder | None = None):
         self.cfg = config
+        self.recorder = recorder
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -94,10 +98,11 @@ class ModelRunner:
         self._graph_slots = torch.full((max(self._batch_buckets()),), self.scratch, dtype=torch.long,
                                        device=self.device)
         self._graph_uniforms = torch.zeros(len(self._graph_slots), 2, dtype=torch.float64, device=self.device)
+        self._graph_force = torch.zeros(len(self._graph_slots), dtype=torch.bool, device=self.device)
 
     @property
     def use_graphs(self) -> bool:
-        return self.cfg.cuda_graphs and self.device.type == "cuda"
+        return self.cfg.cuda_graphs and self.device.type == "cuda" and self.recorder is None
 
     # ------------------------------------------------------------------ the step
 
@@ -110,17 +115,39 @@ class ModelRunner:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
         out: list[tuple[Sequence, int]] = []
+        records: list[StepRecord] = []
+        step = self.recorder.next_step() if self.recorder is not None else -1
         # our own stream: the step's host syncs wait for the LM's kernels only, not for the
         # token2wav work another thread queued on the same device
         with torch.cuda.stream(self._stream):
             if plan.decode:
-                tokens = self._decode(plan.decode, plan.decode_kv_len)
+                tokens, logp = self._decode(plan.decode, plan.decode_kv_len)
                 out += zip(plan.decode, tokens)
+                if self.recorder is not None:
+                    records += [StepRecord(step, s.request_id, s.num_cached, ((Table.SPEECH, s.last_token),),
+                                           logp[i].cpu(), tokens[i]) for i, s in enumerate(plan.decode)]
             if plan.prefill:
                 done = [c.seq for c in plan.prefill if c.is_last]
-                tokens = self._prefill(plan.prefill)
+                tokens, logp = self._prefill(plan.prefill)
                 out += zip(done, tokens)
+                if self.recorder is not None:
+                    records += self._chunk_records(step, plan.prefill, tokens, logp)
+        if self.recorder is not None:
+            self.recorder.add(records)
         return out
+
+    @staticmethod
+    def _chunk_records(step: int, chunks: list[PrefillChunk], tokens: list[int],
+                       logp: Tensor | None) -> list[StepRecord]:
+        records, done = [], 0
+        for c in chunks:
+            rows = input_rows(c.seq.segment)[c.start - c.seq.segment_start:c.end - c.seq.segment_start]
+            row_logp = row_token = None
+            if c.is_last:
+                row_logp, row_token = logp[done].cpu(), tokens[done]
+                done += 1
+            records.append(StepRecord(step, c.seq.request_id, c.start, tuple(rows), row_logp, row_token))
+        return records
 
     def _uniforms(self, seqs: list[Sequence]) -> Tensor:
         u = torch.rand(len(seqs), 2, dtype=torch.float64, generator=self.generator)
@@ -129,85 +156,100 @@ class ModelRunner:
                 u[i] = torch.rand(2, dtype=torch.float64, generator=seq.generator)
         return u.to(self.device, non_blocking=True)
 
-    def _decode(self, seqs: list[Sequence], kv_len: int) -> list[int]:
+    def _force(self, seqs: list[Sequence]) -> Tensor:
+        return torch.tensor([s.forces_fill for s in seqs], dtype=torch.bool)
+
+    def _decode(self, seqs: list[Sequence], kv_len: int) -> tuple[list[int], Tensor | None]:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
-        uniforms = self._uniforms(seqs)
+        uniforms, force = self._uniforms(seqs), self._force(seqs)
         if self.use_graphs:
             key = (self._bucket(len(seqs), self._batch_buckets()), self._bucket(kv_len, self._kv_buckets()))
             graph, tokens = self.graphs.get(key) or self._capture(*key)
             self._graph_slots.fill_(self.scratch)
             self._graph_slots[:len(seqs)].copy_(slots, non_blocking=True)
             self._graph_uniforms[:len(seqs)].copy_(uniforms)
+            self._graph_force.fill_(False)
+            self._graph_force[:len(seqs)].copy_(force, non_blocking=True)
             graph.replay()
-            return tokens[:len(seqs)].tolist()
-        return self._decode_rows(slots.to(self.device), uniforms, kv_len).tolist()
+            return tokens[:len(seqs)].tolist(), None
+        tokens, logp = self._decode_rows(slots.to(self.device), uniforms, force.to(self.device), kv_len)
+        return tokens.tolist(), logp
 
-    def _decode_rows(self, slots: Tensor, uniforms: Tensor, kv_len: int) -> Tensor:
+    def _decode_rows(self, slots: Tensor, uniforms: Tensor, force: Tensor,
+                     kv_len: int) -> tuple[Tensor, Tensor | None]:
         """Static-shape decode: feed each slot's last token, sample the next. Graph-capturable."""
         pos = torch.where(slots == self.scratch, -1, self.position[slots])
         x = self.model.embed_speech(self.last_token[slots])[:, None]
         hidden = self.model.backbone(x, pos[:, None], self.cache, slots, kv_len)[:, 0]
         self.position[slots] += 1
-        return self._sample(hidden, slots, uniforms)
+        return self._sample(hidden, slots, uniforms, force)
 
-    def _sample(self, hidden: Tensor, slots: Tensor, uniforms: Tensor) -> Tensor:
+    def _sample(self, hidden: Tensor, slots: Tensor, uniforms: Tensor,
+                force: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Sampled ids [B] (a bistream row's forced fill where `force`), and, with a recorder, the
+        log-probs before masking."""
         logp = self.model.logits(hidden).float().log_softmax(-1)  # upstream samples from log-probs
+        recorded = logp.clone() if self.recorder is not None else None
         suppress_batch(logp, self.num_out[slots], self.min_tokens[slots], self.ignore_stop[slots])
         tokens = ras_sample_batch(logp, self.history[slots], self.top_p[slots], self.top_k[slots],
                                   self.win_size[slots], self.tau_r[slots], uniforms=uniforms,
                                   max_top_k=self.cfg.max_top_k)
+        tokens = torch.where(force, FILL_TOKEN, tokens)
         self.history[slots] = torch.cat([self.history[slots][:, 1:], tokens[:, None]], dim=1)
         self.last_token[slots] = tokens
         self.num_out[slots] += 1
-        return tokens
+        return tokens, recorded
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> list[int]:
-        """Padded prefill of prompt chunks; samples the first token of prompts that complete."""
+    def _prefill(self, chunks: list[PrefillChunk]) -> tuple[list[int], Tensor | None]:
+        """Padded prefill of segment chunks (chunk i feeds positions [start, end) of its sequence);
+        samples the next token of segments that complete."""
         self._init_slots([c.seq for c in chunks if c.start == 0])
+        self._put([c.seq for c in chunks if c.start == c.seq.segment_start], self.min_tokens,
+                  [c.seq.min_tokens for c in chunks if c.start == c.seq.segment_start], torch.long)
         width = max(c.end - c.start for c in chunks)
         x = torch.zeros(len(chunks), width, self.model.dims.qwen.hidden_size, dtype=self.cfg.dtype,
                         device=self.device)
         positions = torch.full((len(chunks), width), -1, dtype=torch.long)
         for i, c in enumerate(chunks):
-            x[i, :c.end - c.start] = self._prompt_embeds(c.seq)[c.start:c.end]
+            offset = c.seq.segment_start
+            x[i, :c.end - c.start] = self._segment_embeds(c.seq)[c.start - offset:c.end - offset]
             positions[i, :c.end - c.start] = torch.arange(c.start, c.end)
         slots = torch.tensor([c.seq.slot for c in chunks], dtype=torch.long, device=self.device)
         kv_len = max(c.end for c in chunks)
         hidden = self.model.backbone(x, positions.to(self.device), self.cache, slots, kv_len)
+        self._put([c.seq for c in chunks], self.position, [c.end for c in chunks], torch.long)
         last = [i for i, c in enumerate(chunks) if c.is_last]
         if not last:
-            return []
+            return [], None
         rows = torch.tensor(last, device=self.device)
         ends = torch.tensor([chunks[i].end - chunks[i].start - 1 for i in last], device=self.device)
-        tokens = self._sample(hidden[rows, ends], slots[rows], self._uniforms([chunks[i].seq for i in last]))
-        for i in last:
-            chunks[i].seq.prompt_embeds = None  # no longer needed
-        return tokens.tolist()
+        done = [chunks[i].seq for i in last]
+        tokens, logp = self._sample(hidden[rows, ends], slots[rows], self._uniforms(done),
+                                    self._force(done).to(self.device))
+        return tokens.tolist(), logp
 
-    def _prompt_embeds(self, seq: Sequence) -> Tensor:
-        embeds = seq.prompt_embeds
-        if embeds is None:
-            embeds = seq.prompt_embeds = self.model.embed_prompt(seq.request.text_tokens,
-                                                                 seq.request.prompt_speech_tokens)
-        return embeds
+    def _segment_embeds(self, seq: Sequence) -> Tensor:
+        if seq.segment_embeds is None:
+            seq.segment_embeds = self.model.embed_parts(seq.segment)
+        return seq.segment_embeds
+
+    def _put(self, seqs: list[Sequence], state: Tensor, values: list, dtype: torch.dtype) -> None:
+        if seqs:
+            slots = torch.tensor([s.slot for s in seqs], device=self.device)
+            state[slots] = torch.tensor(values, dtype=dtype).to(self.device)
 
     def _init_slots(self, seqs: list[Sequence]) -> None:
+        """Per-slot sampling state of sequences that start (their first segment starts)."""
         if not seqs:
             return
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-
-        def put(state: Tensor, values: list, dtype: torch.dtype) -> None:
-            state[slots] = torch.tensor(values, dtype=dtype).to(self.device)
         reqs = [s.request for s in seqs]
-        put(self.position, [s.prompt_len for s in seqs], torch.long)
-        put(self.num_out, [0] * len(seqs), torch.long)
-        put(self.min_tokens, [r.min_tokens for r in reqs], torch.long)
-        put(self.ignore_stop, [r.ignore_stop_tokens for r in reqs], torch.bool)
-        put(self.top_p, [r.ras.top_p for r in reqs], torch.float64)
-        put(self.top_k, [r.ras.top_k for r in reqs], torch.long)
-        put(self.win_size, [r.ras.win_size for r in reqs], torch.long)
-        put(self.tau_r, [r.ras.tau_r for r in reqs], torch.float64)
-        self.history[slots] = -1
+        self._put(seqs, self.num_out, [0] * len(seqs), torch.long)
+        self._put(seqs, self.ignore_stop, [s.ignore_stop_tokens for s in seqs], torch.bool)
+        self._put(seqs, self.top_p, [r.ras.top_p for r in reqs], torch.float64)
+        self._put(seqs, self.top_k, [r.ras.top_k for r in reqs], torch.long)
+        self._put(seqs, self.win_size, [r.ras.win_size for r in reqs], torch.long)
+        self._put(seqs, self.tau_r, [r.ras.tau_r for r in reqs], torch.float64)
+        self.history[torch.tensor([s.slot for s in seqs], device=self.device)] = -1
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -249,15 +291,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        slots, uniforms = self._graph_slots[:batch], self._graph_uniforms[:batch]
+        slots, uniforms, force = self._graph_slots[:batch], self._graph_uniforms[:batch], self._graph_force[:batch]
         slots.fill_(self.scratch)
-        self._decode_rows(slots, uniforms, kv_len)  # warm-up: kernels chosen, lazy buffers made
+        self._decode_rows(slots, uniforms, force, kv_len)  # warm-up: kernels chosen, lazy buffers made
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            tokens = self._decode_rows(slots, uniforms, kv_len)
+            tokens, _ = self._decode_rows(slots, uniforms, force, kv_len)
         torch.cuda.synchronize(self.device)
         self.graphs[(batch, kv_len)] = (graph, tokens)
         return graph, tokens

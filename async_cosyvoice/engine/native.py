@@ -5,22 +5,32 @@ running stream, fill the rest of the token budget with prompt chunks), runs the 
 single executor thread (the event loop never waits on the model), then hands each sampled token
 to its request's queue. New requests join between steps; an abort frees the slot at once. Each
 request's `generate()` awaits its own queue: nobody polls, nobody sleeps.
+
+Bistream requests (`generate_bistream`) run in the same steps: a task per request moves the
+caller's text pieces into the request's `BistreamSchedule` (bistream.py) and wakes the step loop
+when they complete an input; a request that waits for text keeps its slot and KV cache but is
+left out of the steps, so it never holds up the others.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
+from contextlib import aclosing
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
+from typing import Sequence as Seq
 
 import torch
 
 from ..errors import InvalidRequest, NotReady
 from ..models.dims import STOP_TOKENS
 from ..models.llm import CosyVoice2LM
-from .base import EngineStats, GenerationRequest
+from .base import BistreamRequest, EngineStats, GenerationRequest
+from .bistream import BistreamSchedule, UnexpectedStopToken, Verdict
 from .model_runner import ModelRunner, RunnerConfig
+from .recorder import StepRecorder
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, SeqStatus
 
@@ -51,11 +61,17 @@ class NativeEngineConfig:
 
 
 class NativeEngine:
-    """`SpeechTokenEngine` on our own model code. Moves `model` to the configured device/dtype."""
+    """`SpeechTokenEngine` on our own model code. Moves `model` to the configured device/dtype.
+    `recorder` (optional, recorder.py) records every step's LM inputs and log-probs."""
 
-    def __init__(self, model: CosyVoice2LM, config: NativeEngineConfig = NativeEngineConfig()):
+    supports_bistream = True
+
+    def __init__(self, model: CosyVoice2LM, config: NativeEngineConfig = NativeEngineConfig(),
+                 recorder: StepRecorder | None = None):
         self.config = config
-        self.runner = ModelRunner(model, config.runner_config(), seed=config.seed)
+        self.runner = ModelRunner(model, config.runner_config(), seed=config.seed, recorder=recorder)
+        self._mix_ratio = tuple(model.dims.mix_ratio)
+        self._text_vocab = model.dims.qwen.vocab_size
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
         self.num_steps = 0
         self._seqs: dict[str, Sequence] = {}
@@ -86,7 +102,36 @@ class NativeEngine:
             self._finish(seq, NotReady("the speech-token engine stopped"))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
-        seq = self._add(request)
+        seq = Sequence(request, asyncio.Queue())
+        if seq.segment_len + request.max_tokens > self.config.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({seq.segment_len} positions) + max_tokens ({request.max_tokens}) exceeds max_model_len "
+                f"({self.config.max_model_len}); shorten the text or prompt audio, or raise engine max_model_len")
+        self._add(seq)
+        async with aclosing(self._stream(seq)) as stream:
+            async for tokens in stream:
+                yield tokens
+
+    async def generate_bistream(self, request: BistreamRequest,
+                                text: AsyncIterator[Seq[int]]) -> AsyncIterator[list[int]]:
+        schedule = BistreamSchedule(request.prompt_text_tokens, request.prompt_speech_tokens, self._mix_ratio,
+                                    request.training_consistent)
+        seq = Sequence(request, asyncio.Queue(), schedule=schedule)
+        prompt_len = len(request.prompt_text_tokens) + len(request.prompt_speech_tokens) + 2
+        if prompt_len > self.config.max_model_len:
+            raise InvalidRequest(f"the prompt ({prompt_len} positions) exceeds max_model_len "
+                                 f"({self.config.max_model_len}); shorten the prompt audio")
+        self._add(seq)
+        feeder = asyncio.create_task(self._feed_text(seq, text), name=f"bistream-text-{request.request_id}")
+        try:
+            async with aclosing(self._stream(seq)) as stream:
+                async for tokens in stream:
+                    yield tokens
+        finally:
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+
+    async def _stream(self, seq: Sequence) -> AsyncIterator[list[int]]:
         try:
             while True:
                 items = [await seq.outputs.get()]
@@ -115,16 +160,12 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _add(self, request: GenerationRequest) -> Sequence:
+    def _add(self, seq: Sequence) -> None:
+        request = seq.request
         if self._loop_task is None or self._loop_task.done():
             raise NotReady("the speech-token engine is not running (not started, stopped or failed)")
         if request.request_id in self._seqs:
             raise InvalidRequest(f"request id {request.request_id!r} is already running; ids must be unique")
-        seq = Sequence(request, asyncio.Queue())
-        if seq.prompt_len + request.max_tokens > self.config.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({seq.prompt_len} positions) + max_tokens ({request.max_tokens}) exceeds max_model_len "
-                f"({self.config.max_model_len}); shorten the text or prompt audio, or raise engine max_model_len")
         if not 1 <= request.ras.win_size <= self.config.history_len:
             raise InvalidRequest(f"RAS win_size must be in [1, {self.config.history_len}], got {request.ras.win_size}")
         if not 1 <= request.ras.top_k <= self.config.max_top_k:
@@ -134,7 +175,38 @@ class NativeEngine:
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
         self._work.set()
-        return seq
+
+    async def _feed_text(self, seq: Sequence, text: AsyncIterator[Seq[int]]) -> None:
+        """Moves the caller's text pieces into the sequence's schedule until the text ends."""
+        try:
+            async for piece in text:
+                if seq.status is SeqStatus.FINISHED:
+                    return
+                tokens = list(piece)
+                bad = [t for t in tokens if not (isinstance(t, numbers.Integral) and 0 <= t < self._text_vocab)]
+                if bad:
+                    raise InvalidRequest(f"text token ids must be ints in [0, {self._text_vocab}); got {bad[:5]}")
+                seq.schedule.add_text(int(t) for t in tokens)
+                self._advance(seq)
+            seq.schedule.end_text()
+            self._advance(seq)
+        except Exception as e:  # noqa: BLE001 - the text source failed: the request fails with its error
+            self._finish(seq, e)
+
+    def _advance(self, seq: Sequence) -> None:
+        """Give a bistream sequence that waits for input its next segment, if its text allows."""
+        if seq.status is SeqStatus.FINISHED or not seq.schedule.wants_input:
+            return
+        parts = seq.schedule.next_input()
+        if parts is None:
+            return  # needs more text: out of the steps until some arrives
+        seq.set_segment(parts)
+        if seq.segment_end > self.config.max_model_len:
+            self._finish(seq, InvalidRequest(
+                f"bistream request {seq.request_id!r} needs more than max_model_len ({self.config.max_model_len}) "
+                "positions; send shorter texts per request or raise engine max_model_len"))
+            return
+        self._work.set()
 
     def _finish(self, seq: Sequence, error: BaseException | None = None) -> None:
         """The one place a request ends: done, aborted, failed or engine stopped."""
@@ -156,13 +228,11 @@ class NativeEngine:
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self.scheduler.has_work():
+            plan = self.scheduler.schedule()
+            if not plan:  # idle, or every running sequence waits for text
                 self._work.clear()
                 await self._work.wait()
                 continue
-            plan = self.scheduler.schedule()
-            if not plan:  # cannot happen with budget >= slots, but never spin
-                raise RuntimeError("scheduler returned an empty plan with work pending")
             try:
                 sampled = await loop.run_in_executor(self._executor, self.runner.step, plan)
             except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
@@ -176,13 +246,41 @@ class NativeEngine:
     def _commit(self, plan: StepPlan, sampled: list[tuple[Sequence, int]]) -> None:
         for chunk in plan.prefill:
             chunk.seq.num_cached = chunk.end
+        for seq in plan.decode:
+            seq.num_cached += 1
         for seq, token in sampled:
             if seq.status is SeqStatus.FINISHED:  # aborted while the step ran
                 continue
-            if token in STOP_TOKENS and not seq.request.ignore_stop_tokens:
+            seq.end_segment()
+            seq.decoding, seq.last_token = True, token
+            if seq.schedule is not None:
+                self._commit_bistream(seq, token)
+            elif token in STOP_TOKENS and not seq.request.ignore_stop_tokens:
                 self._finish(seq)
-                continue
-            seq.num_output += 1
-            seq.outputs.put_nowait([token])
-            if seq.num_output >= seq.request.max_tokens:
-                self._finish(seq)
+            else:
+                self._emit(seq, token)
+
+    def _commit_bistream(self, seq: Sequence, token: int) -> None:
+        try:
+            verdict = seq.schedule.accept(token)
+        except UnexpectedStopToken as e:
+            self._finish(seq, e)
+            return
+        if verdict is Verdict.EMIT:
+            if seq.num_cached >= self.config.max_model_len:  # no position left to feed it
+                self._finish(seq, InvalidRequest(
+                    f"bistream request {seq.request_id!r} reached max_model_len ({self.config.max_model_len}) "
+                    "positions; send shorter texts per request or raise engine max_model_len"))
+                return
+            self._emit(seq, token)
+        elif verdict is Verdict.FILL:
+            seq.decoding = False  # the fill is never fed
+            self._advance(seq)
+        else:
+            self._finish(seq)
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        seq.num_output += 1
+        seq.outputs.put_nowait([token])
+        if seq.num_output >= seq.request.max_tokens:
+            self._finish(seq)

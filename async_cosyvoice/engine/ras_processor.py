@@ -7,7 +7,9 @@ from RAS. For that the request must leave everything after the processor neutral
 top_p 1, top_k 0 (or -1), min_p 0 and default penalties — `validate_params` enforces it.
 
 Per-request parameters travel in `SamplingParams.extra_args[EXTRA_ARGS_KEY]` (build them with
-`ras_extra_args`): top_p, top_k, win_size, tau_r, min_tokens and ignore_stop_tokens. Before
+`ras_extra_args`): top_p, top_k, win_size, tau_r, min_tokens and ignore_stop_tokens, and for
+bistream chunks `history` (the request's earlier outputs, fills included: vLLM starts a chunk's
+output list afresh) and `fill_at` (the chunk's output index where the fill token is forced). Before
 `min_tokens` outputs only EOS (6561) is masked, as upstream does; vLLM's own `min_tokens` would
 mask every stop id, so it must stay 0 on these requests. `ignore_stop_tokens` masks all stop ids.
 The repetition window is read in `apply()` from the live `output_tok_ids` list vLLM hands over
@@ -25,19 +27,21 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
-from ..models.dims import RASParams
+from ..models.dims import FILL_TOKEN, RASParams
 from ..sampling import ras_log_probs, suppress_batch
 
 EXTRA_ARGS_KEY = "cosyvoice_ras"
 _EPS = 1e-6
 
 
-def ras_extra_args(params: RASParams, min_tokens: int = 0, ignore_stop_tokens: bool = False) -> dict[str, Any]:
+def ras_extra_args(params: RASParams, min_tokens: int = 0, ignore_stop_tokens: bool = False,
+                   history: tuple[int, ...] = (), fill_at: int = -1) -> dict[str, Any]:
     """The `SamplingParams.extra_args` entry that turns RAS on for one request."""
     return {EXTRA_ARGS_KEY: {
         "top_p": float(params.top_p), "top_k": int(params.top_k), "win_size": int(params.win_size),
         "tau_r": float(params.tau_r), "min_tokens": int(min_tokens),
         "ignore_stop_tokens": bool(ignore_stop_tokens),
+        "history": [int(t) for t in history[-params.win_size:]], "fill_at": int(fill_at),
     }}
 
 
@@ -49,6 +53,8 @@ class _RequestRAS:
     tau_r: float
     min_tokens: int
     ignore_stop_tokens: bool
+    history: tuple[int, ...] = ()
+    fill_at: int = -1
 
     @classmethod
     def from_params(cls, sp: SamplingParams) -> "_RequestRAS | None":
@@ -57,7 +63,8 @@ class _RequestRAS:
             return None
         if not isinstance(args, dict):
             raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] must be a dict, got {type(args).__name__}")
-        unknown = set(args) - {"top_p", "top_k", "win_size", "tau_r", "min_tokens", "ignore_stop_tokens"}
+        unknown = set(args) - {"top_p", "top_k", "win_size", "tau_r", "min_tokens", "ignore_stop_tokens",
+                               "history", "fill_at"}
         if unknown:
             raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] has unknown keys {sorted(unknown)}")
         d = RASParams()
@@ -66,6 +73,7 @@ class _RequestRAS:
             win_size=int(args.get("win_size", d.win_size)), tau_r=float(args.get("tau_r", d.tau_r)),
             min_tokens=int(args.get("min_tokens", 0)),
             ignore_stop_tokens=bool(args.get("ignore_stop_tokens", False)),
+            history=tuple(int(t) for t in args.get("history", ())), fill_at=int(args.get("fill_at", -1)),
         )
 
     def check(self) -> None:
@@ -137,8 +145,9 @@ class RASLogitsProcessor(LogitsProcessor):
         outputs = [self.slots[i].output for i in b.index_list]
         n_out = torch.tensor([len(o) for o in outputs], device=logits.device)
         history = torch.full((len(outputs), b.max_win), -1, dtype=torch.long)
-        for row, (out, win) in enumerate(zip(outputs, b.win_list)):
-            recent = out[-win:]
+        for row, (out, win, i) in enumerate(zip(outputs, b.win_list, b.index_list)):
+            earlier = self.slots[i].ras.history
+            recent = (list(earlier[-win:]) + out)[-win:] if earlier else out[-win:]
             if recent:
                 history[row, b.max_win - len(recent):] = torch.tensor(recent, dtype=torch.long)
 
@@ -146,6 +155,10 @@ class RASLogitsProcessor(LogitsProcessor):
         suppress_batch(rows, n_out, b.min_tokens, b.ignore_stop)
         logp = ras_log_probs(rows, history.to(logits.device), top_p=b.top_p, top_k=b.top_k,
                              win_size=b.win_size, tau_r=b.tau_r)
+        forced = n_out == b.fill_at  # bistream: the fill token, not a sample
+        if bool(forced.any()):
+            logp[forced] = float("-inf")
+            logp[forced, FILL_TOKEN] = 0.0
         logits.index_copy_(0, b.index, logp.to(logits.dtype))
         return logits
 
@@ -163,6 +176,7 @@ class _BatchParams:
     tau_r: torch.Tensor
     min_tokens: torch.Tensor
     ignore_stop: torch.Tensor
+    fill_at: torch.Tensor
 
     @classmethod
     def build(cls, slots: dict[int, _Slot], device: torch.device) -> "_BatchParams":
@@ -182,4 +196,5 @@ class _BatchParams:
             tau_r=col([r.tau_r for r in ras], torch.float64),
             min_tokens=col([r.min_tokens for r in ras], torch.long),
             ignore_stop=col([r.ignore_stop_tokens for r in ras], torch.bool),
+            fill_at=col([r.fill_at for r in ras], torch.long),
         )

@@ -1,9 +1,10 @@
 """Which sequences run in the next engine step, under a token budget.
 
-Every step decodes one token for every sequence that has finished its prefill (1 budget token
-each), and fills what is left of `max_num_batched_tokens` with prompt chunks: first the
-sequences already part-way through their prompt, then waiting ones in arrival order while a KV
-slot is free. The prefill batch is padded to its longest chunk, so its cost is counted as
+Every step decodes one token for every decoding sequence (1 budget token each), and fills what
+is left of `max_num_batched_tokens` with input-segment chunks (a prompt, or a bistream segment):
+first the running sequences part-way through or at the start of a segment, then waiting ones in
+arrival order while a KV slot is free. A running bistream sequence that waits for text has
+neither and is left out of the step. The prefill batch is padded to its longest chunk, so its cost is counted as
 rows x longest chunk; a prompt that does not fit is split across steps (chunked prefill). Decodes
 are never postponed for prompts, so a long prompt cannot stall the streams already running.
 """
@@ -18,12 +19,12 @@ from .sequence import Sequence, SeqStatus
 @dataclass(frozen=True)
 class PrefillChunk:
     seq: Sequence
-    start: int  # prompt positions [start, end) are fed this step
+    start: int  # positions [start, end) of the sequence's current segment are fed this step
     end: int
 
     @property
     def is_last(self) -> bool:
-        return self.end == self.seq.prompt_len
+        return self.end == self.seq.segment_end
 
 
 @dataclass
@@ -55,9 +56,6 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def release(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is and free its slot at once."""
         if seq.status is SeqStatus.WAITING:
@@ -68,7 +66,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(decode=[s for s in self.running if s.prefilled])
+        plan = StepPlan(decode=[s for s in self.running if s.decoding])
         plan.decode_kv_len = max((s.context_len for s in plan.decode), default=0)
         budget = self.max_num_batched_tokens - len(plan.decode)
         width = 0  # longest chunk so far; the padded prefill costs rows * width
@@ -78,18 +76,18 @@ class Scheduler:
             cap = budget // (len(plan.prefill) + 1)  # widest chunk that keeps the padded batch in budget
             if cap < 1 or cap < width:
                 return False
-            end = seq.num_cached + min(seq.prompt_len - seq.num_cached, cap)
+            end = seq.num_cached + min(seq.segment_end - seq.num_cached, cap)
             plan.prefill.append(PrefillChunk(seq, seq.num_cached, end))
             width = max(width, end - seq.num_cached)
             return True
 
         for seq in self.running:
-            if not seq.prefilled and not take(seq):
+            if seq.needs_prefill and not take(seq):
                 return plan
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
-            if not take(seq):
-                break
+            if seq.needs_prefill and not take(seq):
+                break  # a bistream sequence still waiting for text takes its slot now
             self.waiting.popleft()
             seq.slot = self.free_slots.popleft()
             seq.status = SeqStatus.RUNNING

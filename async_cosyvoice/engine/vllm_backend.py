@@ -4,7 +4,8 @@
   vLLM loads as `CosyVoice2ForCausalLM` (vllm_model.py, registered by the vllm_plugin entry point
   in every vLLM process).
 - Prompts go in as `prompt_embeds` built by our own `CosyVoice2LM.embed_prompt`, so text ids and
-  the sos/task rows never enter vLLM's vocabulary.
+  the sos/task rows never enter vLLM's vocabulary. Bistream (`generate_bistream`) uses vLLM's
+  streaming input, which takes ids only: the export adds an `input_rows` table for them.
 - Sampling is RAS through the engine-level `RASLogitsProcessor` (ras_processor.py), configured
   per request through `extra_args`; vLLM's own sampler stays neutral (temperature 1, no top-k/p).
 - Stop ids 6561/6562/6563 end a request and are dropped from the output; cancelling the consumer
@@ -18,16 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, Sequence
 
 import torch
 
 from ..errors import InvalidRequest, NotReady, Unsupported
-from ..models.dims import STOP_TOKENS
-from .base import EngineStats, GenerationRequest
+from ..models.dims import EOS2_TOKEN, FILL_TOKEN, STOP_TOKENS
+from .base import BistreamRequest, EngineStats, GenerationRequest
+from .bistream import BistreamSchedule, Phase, Verdict
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -105,6 +108,8 @@ def _import_vllm():
 class VLLMEngine:
     """`SpeechTokenEngine` on vLLM. `lm` supplies the prompt embedding tables; when None, only the
     three embedding tables are read from `model_dir`'s llm.pt (the backbone is never allocated)."""
+
+    supports_bistream = True  # through vLLM's streaming input (generate_bistream)
 
     def __init__(self, lm: "CosyVoice2LM | None", model_dir: "ModelDir | str | Path",
                  args: VLLMEngineArgs = VLLMEngineArgs()):
@@ -227,6 +232,118 @@ class VLLMEngine:
             # Closing vLLM's generator aborts the request if it is still running (consumer
             # cancelled or stopped early); a finished stream closes as a no-op.
             await stream.aclose()
+
+    async def generate_bistream(self, request: BistreamRequest,
+                                text: AsyncIterator[Sequence[int]]) -> AsyncIterator[list[int]]:
+        """Bistream on vLLM's streaming input (a resumable request, vLLM >= 0.32).
+
+        The request's `BistreamSchedule` (bistream.py) decides every input exactly as in the native
+        engine. Each input segment is one `StreamingInput` chunk, given as ids (vLLM rejects
+        prompt_embeds in streaming input; the export embeds sos/task/text ids itself) with its own
+        SamplingParams: while text streams, EOS masked, the fill forced at its index (RAS
+        processor) and stop ids 6562/6563; after the text, every stop id. vLLM decodes a chunk until
+        its stop, drops the last sampled token (the fill is never fed) and keeps the KV cache for
+        the next chunk; the next chunk is sent when the schedule has one.
+        """
+        from vllm.engine.protocol import StreamingInput
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        from .ras_processor import ras_extra_args
+        from .vllm_export import input_ids
+
+        llm = self.llm
+        if llm is None:
+            raise NotReady("the vLLM engine is not started")
+        schedule = BistreamSchedule(request.prompt_text_tokens, request.prompt_speech_tokens,
+                                    tuple(self.model_dir.dims.lm.mix_ratio), request.training_consistent)
+        text_vocab = self.model_dir.dims.lm.qwen.vocab_size
+        chunks: asyncio.Queue = asyncio.Queue()  # StreamingInput, or an exception from the text side
+        history: list[int] = []  # every output so far, fills included (the RAS window spans chunks)
+        emitted = sent = 0
+
+        def send_next_input() -> None:
+            if not schedule.wants_input:
+                return
+            nonlocal sent
+            parts = schedule.next_input()
+            if parts is None:
+                return
+            seed = None if request.seed is None else request.seed + sent  # fresh draws per chunk
+            sent += 1
+            if schedule.fill_index is None:  # the text ended: decode to EOS
+                params = self.sampling_params(GenerationRequest(
+                    request.request_id, (), (), min_tokens=0, max_tokens=request.max_tokens - emitted,
+                    ras=request.ras, seed=seed))
+                params.extra_args = ras_extra_args(request.ras, history=tuple(history))
+            else:
+                params = self.sampling_params(GenerationRequest(
+                    request.request_id, (), (), min_tokens=0, max_tokens=schedule.fill_index - schedule.num_out + 1,
+                    ras=request.ras, seed=seed))
+                params.stop_token_ids = [EOS2_TOKEN, FILL_TOKEN]
+                params.extra_args = ras_extra_args(request.ras, min_tokens=1 << 62, history=tuple(history),
+                                                   fill_at=schedule.fill_index - schedule.num_out)
+            chunks.put_nowait(StreamingInput(TokensPrompt(prompt_token_ids=input_ids(parts)), params))
+
+        async def feed_text() -> None:
+            try:
+                async for piece in text:
+                    tokens = list(piece)
+                    bad = [t for t in tokens if not (isinstance(t, numbers.Integral) and 0 <= t < text_vocab)]
+                    if bad:
+                        raise InvalidRequest(f"text token ids must be ints in [0, {text_vocab}); got {bad[:5]}")
+                    schedule.add_text(int(t) for t in tokens)
+                    send_next_input()
+                schedule.end_text()
+                send_next_input()
+            except Exception as e:  # noqa: BLE001 - the text source failed: the request fails with it
+                chunks.put_nowait(e)
+
+        async def inputs():  # vLLM re-raises an error from here to the consumer as it is
+            while True:
+                item = await chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        feeder = asyncio.create_task(feed_text(), name=f"bistream-text-{request.request_id}")
+        stream = llm.generate(inputs(), self.sampling_params(GenerationRequest(
+            request.request_id, (), (), min_tokens=0, max_tokens=request.max_tokens, ras=request.ras)),
+            request.request_id)
+        try:
+            async for out in stream:
+                ids, chunk_done = [], False
+                for token in out.outputs[0].token_ids:
+                    history.append(token)
+                    verdict = schedule.accept(token)
+                    if verdict is Verdict.EMIT:
+                        ids.append(token)
+                        continue
+                    chunk_done = True
+                    if verdict is Verdict.END:
+                        break
+                    send_next_input()
+                ids = ids[:request.max_tokens - emitted]
+                if ids:
+                    emitted += len(ids)
+                    yield ids
+                if schedule.phase is Phase.DONE or emitted >= request.max_tokens:
+                    return
+                if out.outputs[0].finish_reason is not None and not chunk_done:
+                    # a chunk ended without its fill / EOS: vLLM ran out of positions
+                    raise InvalidRequest(
+                        f"bistream request {request.request_id!r} reached max_model_len "
+                        f"({self.args.max_model_len}) positions; send shorter texts per request or raise "
+                        "engine max_model_len")
+        except VLLMClientError as err:
+            raise InvalidRequest(f"vLLM rejected request {request.request_id}: {err}") from err
+        except EngineDeadError as err:
+            raise NotReady(f"the vLLM engine died ({err}); restart the service") from err
+        finally:
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+            await stream.aclose()  # aborts the request inside vLLM if it still runs
 
     async def abort(self, request_id: str) -> None:
         if self.llm is not None:

@@ -11,10 +11,13 @@ Layout written (facts §7.4, environment.md "Model directory and class"):
 - `config.json`: the BlankEN Qwen2 config with `architectures: ["CosyVoice2ForCausalLM"]`,
   `vocab_size` 6564, `tie_word_embeddings` false and no bos/eos ids;
 - `model.safetensors`: HF Qwen2 names; `model.embed_tokens.weight` = `speech_embedding`,
-  `lm_head.{weight,bias}` = `llm_decoder`, the backbone under `model.`.
+  `lm_head.{weight,bias}` = `llm_decoder`, the backbone under `model.`; and `input_rows.weight` =
+  `llm_embedding` rows then the Qwen text embedding, for prompts given as ids (bistream chunks):
+  input id i < 6564 is speech id i, `LLM_ROW_BASE + r` is llm_embedding row r (sos, task) and
+  `TEXT_BASE + t` is text id t (`input_ids()` maps typed rows to these ids).
 No `generation_config.json` (its eos ids would become extra stop ids in vLLM) and no tokenizer
-(the engine runs with `skip_tokenizer_init` and embeddings as prompts). The Qwen text embedding,
-the tied text head and `llm_embedding` stay out: the engine builds prompts itself.
+(the engine runs with `skip_tokenizer_init`; unistream prompts go in as embeddings). The tied
+text head stays out.
 """
 from __future__ import annotations
 
@@ -30,10 +33,14 @@ from ..errors import ModelDirError
 from ..files import atomic_directory, cache_root
 from ..model_dir import LLM_FILE, QWEN_CONFIG, load_state_dict_file, normalize_llm_state_dict
 from ..models.dims import SPEECH_VOCAB
+from ..models.llm import Part, Table
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
+LLM_ROW_BASE = SPEECH_VOCAB  # input ids of llm_embedding rows (sos, task)
+TEXT_BASE = SPEECH_VOCAB + 2  # input id of text id 0
+INPUT_ROWS_KEY = "input_rows.weight"
 ARCHITECTURE = "CosyVoice2ForCausalLM"
 SOURCE_RECORD = "export_source.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,6 +109,9 @@ def write_export(model_dir: Path, out_dir: Path, dtype: str | torch.dtype) -> No
     tensors = convert_state_dict(state, dtype)
     del state
     hidden = tensors["model.embed_tokens.weight"].shape[1]
+    if tensors[INPUT_ROWS_KEY].shape[0] != 2 + config.get("vocab_size", -1):
+        raise ModelDirError(QWEN_CONFIG, f"vocab_size={config.get('vocab_size')} but llm.pt has "
+                            f"{tensors[INPUT_ROWS_KEY].shape[0] - 2} text embedding rows")
     if config.get("hidden_size") != hidden:
         raise ModelDirError(QWEN_CONFIG, f"hidden_size={config.get('hidden_size')} but "
                             f"llm.pt has speech embeddings of width {hidden}")
@@ -116,6 +126,7 @@ def convert_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> di
         "model.embed_tokens.weight": state["speech_embedding.weight"],
         "lm_head.weight": state["llm_decoder.weight"],
         "lm_head.bias": state["llm_decoder.bias"],
+        INPUT_ROWS_KEY: torch.cat([state["llm_embedding.weight"], state["backbone.embed_tokens.weight"]]),
     }
     for name, tensor in state.items():
         if name.startswith("backbone.") and not name.startswith("backbone.embed_tokens."):
@@ -126,6 +137,12 @@ def convert_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> di
     return {k: v.to(dtype=dtype, copy=True).contiguous() for k, v in out.items()}
 
 
+def input_ids(parts: tuple[Part, ...] | list[Part]) -> list[int]:
+    """Typed LM input rows as the exported model's input ids (see the module docstring)."""
+    base = {Table.SPEECH: 0, Table.LLM: LLM_ROW_BASE, Table.TEXT: TEXT_BASE}
+    return [base[table] + i for table, ids in parts for i in ids]
+
+
 def export_config(qwen_config: dict, dtype: torch.dtype) -> dict:
     """The BlankEN Qwen2 config turned into the speech LM's: own vocabulary, untied, no eos."""
     config = {k: v for k, v in qwen_config.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -134,6 +151,7 @@ def export_config(qwen_config: dict, dtype: torch.dtype) -> dict:
         "architectures": [ARCHITECTURE],
         "model_type": "qwen2",
         "vocab_size": SPEECH_VOCAB,
+        "cosyvoice_input_rows": 2 + qwen_config["vocab_size"],  # rows of input_rows.weight
         "tie_word_embeddings": False,
         "torch_dtype": name,
         "dtype": name,

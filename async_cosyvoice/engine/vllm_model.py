@@ -1,9 +1,10 @@
 """CosyVoice2's speech LM as a vLLM out-of-tree model.
 
-The backbone is vLLM's own Qwen2 body. Speech ids are the model's vocabulary (6564 entries:
-0..6560 speech tokens, 6561..6563 stop ids), so `model.embed_tokens` holds `speech_embedding`
-and `lm_head` (with bias) holds `llm_decoder`. Text tokens and the sos/task rows never enter
-vLLM as ids: the engine passes the whole prompt as `prompt_embeds` built from our own tables.
+The backbone is vLLM's own Qwen2 body. Speech ids are the model's output vocabulary (6564
+entries: 0..6560 speech tokens, 6561..6563 stop ids), so `model.embed_tokens` holds
+`speech_embedding` and `lm_head` (with bias) holds `llm_decoder`. Unistream prompts come as
+`prompt_embeds` built by the engine; bistream chunks come as input ids past the output
+vocabulary for the sos/task rows and text tokens (vllm_export.py), embedded from `input_rows`.
 The checkpoint directory vLLM loads is written by `vllm_export.export_for_vllm`.
 
 Only vLLM processes import this module (the plugin registers it by "module:Class" path).
@@ -19,6 +20,8 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor as Logit
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.qwen2 import Qwen2Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+
+from .vllm_export import LLM_ROW_BASE
 
 
 class CosyVoice2ForCausalLM(nn.Module):
@@ -46,9 +49,14 @@ class CosyVoice2ForCausalLM(nn.Module):
         # vLLM's head layer; unrelated to the sampling-time logits processors (ras_processor.py).
         self.logits_processor = LogitsHead(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        # llm_embedding rows + the Qwen text embedding (input ids LLM_ROW_BASE...)
+        self.input_rows = nn.Embedding(config.cosyvoice_input_rows, config.hidden_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
+        speech = input_ids < LLM_ROW_BASE
+        embeds = self.model.embed_input_ids(torch.where(speech, input_ids, 0))
+        rows = self.input_rows((input_ids - LLM_ROW_BASE).clamp(min=0))
+        return torch.where(speech[..., None], embeds, rows.to(embeds.dtype))
 
     def forward(
         self,
@@ -57,6 +65,8 @@ class CosyVoice2ForCausalLM(nn.Module):
         intermediate_tensors=None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if inputs_embeds is None and input_ids is not None:  # ids past the speech vocabulary need our table
+            inputs_embeds, input_ids = self.embed_input_ids(input_ids), None
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

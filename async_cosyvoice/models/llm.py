@@ -6,6 +6,7 @@ the Qwen text head is never used (the official `llm.model.lm_head.weight` is dro
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import Callable, Sequence
 
 import torch
@@ -16,6 +17,28 @@ from .qwen2 import KVCache, Qwen2Model
 
 # (log-probs [V], tokens decoded so far) -> next token id
 Sampler = Callable[[Tensor, Sequence[int]], int]
+
+
+class Table(Enum):
+    """The three input embedding tables; an LM input row is (table, id)."""
+    LLM = "llm"        # llm_embedding: SOS_ROW, TASK_ROW
+    TEXT = "text"      # the Qwen text embedding (backbone.embed_tokens)
+    SPEECH = "speech"  # speech_embedding
+
+
+Part = tuple[Table, tuple[int, ...]]  # consecutive input rows from one table
+SOS: Part = (Table.LLM, (SOS_ROW,))
+TASK: Part = (Table.LLM, (TASK_ROW,))
+
+
+def prompt_parts(text_tokens: Sequence[int], prompt_speech_tokens: Sequence[int]) -> tuple[Part, ...]:
+    """The unistream prompt (facts §2.4): [sos; text; task; prompt speech]."""
+    return SOS, (Table.TEXT, tuple(text_tokens)), TASK, (Table.SPEECH, tuple(prompt_speech_tokens))
+
+
+def input_rows(parts: Sequence[Part]) -> list[tuple[Table, int]]:
+    """Parts flattened to one (table, id) per LM input row."""
+    return [(table, i) for table, ids in parts for i in ids]
 
 
 class CosyVoice2LM(nn.Module):
@@ -30,12 +53,15 @@ class CosyVoice2LM(nn.Module):
 
     def embed_prompt(self, text_tokens: Sequence[int] | Tensor, prompt_speech_tokens: Sequence[int] | Tensor) -> Tensor:
         """[L, H] prefill embeddings, L = len(text) + len(prompt speech) + 2."""
+        text, speech = (tuple(torch.as_tensor(t).reshape(-1).tolist()) for t in (text_tokens, prompt_speech_tokens))
+        return self.embed_parts(prompt_parts(text, speech))
+
+    def embed_parts(self, parts: Sequence[Part]) -> Tensor:
+        """[L, H] embeddings of input rows given as parts, L = the total number of ids."""
+        tables = {Table.LLM: self.llm_embedding, Table.TEXT: self.backbone.embed_tokens,
+                  Table.SPEECH: self.speech_embedding}
         device = self.speech_embedding.weight.device
-        text = torch.as_tensor(text_tokens, dtype=torch.long, device=device).reshape(-1)
-        speech = torch.as_tensor(prompt_speech_tokens, dtype=torch.long, device=device).reshape(-1)
-        rows = self.llm_embedding.weight
-        return torch.cat([rows[SOS_ROW:SOS_ROW + 1], self.backbone.embed_tokens(text),
-                          rows[TASK_ROW:TASK_ROW + 1], self.speech_embedding(speech)])
+        return torch.cat([tables[table](torch.tensor(ids, dtype=torch.long, device=device)) for table, ids in parts])
 
     def embed_speech(self, ids: Tensor) -> Tensor:
         return self.speech_embedding(ids)
