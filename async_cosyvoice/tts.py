@@ -24,7 +24,7 @@ import torch
 from .config import Config
 from .demo import resolve_model_dir
 from .engine import create_engine
-from .engine.base import EngineStats, GenerationRequest, SpeechTokenEngine, length_limits
+from .engine.base import BistreamRequest, EngineStats, GenerationRequest, SpeechTokenEngine, length_limits
 from .errors import InvalidRequest, SpeakerExists, TextTimeout, Unsupported
 from .estimator import estimator_from_config
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
@@ -200,23 +200,37 @@ class Synthesizer:
 
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
                                 text_mode: TextMode | None = None) -> AsyncIterator[AudioChunk]:
-        """Text that arrives in pieces (a token, a word, a sentence; `FLUSH` cuts what is
-        buffered) -> chunks. The voice and options come from `request` (its text stays empty) and
-        the voice is prepared once. Sentence mode: each sentence is synthesized as soon as it is
-        complete. The stream ends with a final chunk, which carries no audio when the end of the
-        text was known only after the last audio. A pause of more than `limits.text_idle_seconds`
-        between pieces raises TextTimeout."""
+        """Text that arrives in pieces (a token, a word, a sentence) -> chunks. The voice and
+        options come from `request` (its text stays empty); the voice is prepared once.
+
+        text_mode "bistream" (the default where the engine supports it): one LM request for the
+        whole stream, fed each piece's tokens as it arrives (CosyVoice2's bistream mode: speech
+        starts after the first 5 text tokens). Pieces are tokenized one by one without text
+        normalization, as upstream does. "sentence": each sentence is normalized and synthesized
+        as soon as it is complete (`FLUSH` cuts what is buffered). Either way the stream ends
+        with a final chunk, which carries no audio when the end of the text was known only after
+        the last audio. A pause of more than `limits.text_idle_seconds` between pieces raises
+        TextTimeout."""
         request = self.rules.check(request, streamed_text=True)
-        mode = text_mode or "sentence"
-        if mode == "bistream":
-            raise Unsupported("text_mode 'bistream' is not supported by this engine; use 'sentence'")
-        if mode != "sentence":
+        mode = text_mode or ("bistream" if self.supports_bistream else "sentence")
+        if mode not in ("sentence", "bistream"):
             raise InvalidRequest(f"text_mode must be 'sentence' or 'bistream', got {text_mode!r}")
+        if mode == "bistream" and not self.supports_bistream:
+            raise Unsupported(f"the {self.config.engine.kind} engine cannot extend a running LM request "
+                              "with text; use text_mode 'sentence'")
         voice = await self.prepare_voice(request)
         instruction = await self._in_cpu(self._instruction_tokens, request)
-        sentences: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._read_sentences(text, sentences))
+        pieces = self._text_pieces(text)
         playback = Playback(time.monotonic(), self.sample_rate)
+        if mode == "bistream":
+            model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
+            utterance = self._utterance(request, model_input, 0, playback, last=True,
+                                        text_tokens=self._piece_tokens(pieces))
+            async for chunk in utterance.run(self.batcher):
+                yield chunk
+            return
+        sentences: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(self._read_sentences(pieces, sentences))
         try:
             n = 0
             while (item := await sentences.get()) is not None:
@@ -236,27 +250,40 @@ class Synthesizer:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
-    async def _read_sentences(self, text: AsyncIterable[str | object], sentences: asyncio.Queue) -> None:
-        """Reader task: text pieces -> complete sentences on the queue, then None (or the error)."""
-        splitter = SentenceSplitter(min(MAX_STREAM_SENTENCE_CHARS, self.rules.max_text_chars))
+    async def _text_pieces(self, text: AsyncIterable[str | object]) -> AsyncIterator[str | object]:
+        """The caller's pieces, checked, with the idle timeout applied."""
         idle = self.config.limits.text_idle_seconds
         pieces = aiter(text)
+        while True:
+            try:
+                piece = await asyncio.wait_for(anext(pieces), idle)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise TextTimeout(f"no text arrived for {idle:g} s (limits.text_idle_seconds); "
+                                  "send the end of the text when it is complete") from None
+            if piece is not FLUSH and not isinstance(piece, str):
+                raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
+            yield piece
+
+    async def _piece_tokens(self, pieces: AsyncIterator[str | object]) -> AsyncIterator[list[int]]:
+        """Bistream: each piece's token ids (FLUSH means nothing to an LM that reads as text comes)."""
+        n = 0
+        async for piece in pieces:
+            if piece is FLUSH or not piece:
+                continue
+            tokens = await self._in_cpu(self.tokenizer.encode, piece)
+            n += len(tokens)
+            yield tokens
+        if n == 0:
+            raise InvalidRequest("no text was received")
+
+    async def _read_sentences(self, pieces: AsyncIterator[str | object], sentences: asyncio.Queue) -> None:
+        """Reader task: text pieces -> complete sentences on the queue, then None (or the error)."""
+        splitter = SentenceSplitter(min(MAX_STREAM_SENTENCE_CHARS, self.rules.max_text_chars))
         try:
-            while True:
-                try:
-                    piece = await asyncio.wait_for(anext(pieces), idle)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    raise TextTimeout(f"no text arrived for {idle:g} s (limits.text_idle_seconds); "
-                                      "send the end of the text when it is complete") from None
-                if piece is FLUSH:
-                    cut = splitter.flush()
-                elif isinstance(piece, str):
-                    cut = splitter.feed(piece)
-                else:
-                    raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
-                for sentence in cut:
+            async for piece in pieces:
+                for sentence in splitter.flush() if piece is FLUSH else splitter.feed(piece):
                     sentences.put_nowait(sentence)
             for sentence in splitter.flush():
                 sentences.put_nowait(sentence)
@@ -280,7 +307,8 @@ class Synthesizer:
         return self.tokenizer.encode(instruction)
 
     def _utterance(self, request: SynthesisRequest, model_input: ModelInput, segment: int, playback: Playback,
-                   *, last: bool) -> Utterance:
+                   *, last: bool, text_tokens: AsyncIterator[list[int]] | None = None) -> Utterance:
+        """text_tokens: a bistream utterance's target text, as it arrives (None: the model input's)."""
         opts = request.options
         t2w = Token2WavStream(
             torch.tensor(model_input.flow_prompt_speech_token).reshape(1, -1),
@@ -293,19 +321,30 @@ class Synthesizer:
                                    prompt_align=1, pre_lookahead=self.dims.flow.pre_lookahead_len,
                                    token_mel_ratio=self.dims.token_mel_ratio,
                                    samples_per_frame=self.dims.hift.samples_per_frame))
+        adaptive = self.config.token2wav.adaptive
         if not model_input.spec.runs_lm:
-            return Utterance(segment, t2w, playback, last=last, adaptive=self.config.token2wav.adaptive,
+            return Utterance(segment, t2w, playback, last=last, adaptive=adaptive,
                              source_tokens=model_input.source_speech_token)
-        speech = self.engine.generate(self._generation_request(request, model_input, segment))
-        return Utterance(segment, t2w, playback, last=last, adaptive=self.config.token2wav.adaptive, speech=speech)
+        if text_tokens is not None:
+            speech = self.engine.generate_bistream(self._bistream_request(request, model_input), text_tokens)
+        else:
+            speech = self.engine.generate(self._generation_request(request, model_input, segment))
+        return Utterance(segment, t2w, playback, last=last, adaptive=adaptive, speech=speech)
+
+    def _bistream_request(self, request: SynthesisRequest, model_input: ModelInput) -> BistreamRequest:
+        opts = request.options
+        return BistreamRequest(
+            request_id=f"{request.request_id}-0",
+            prompt_text_tokens=tuple(int(t) for t in model_input.prompt_text),
+            prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
+            # upstream's bistream loop has no length rule; ours is a safety cap
+            max_tokens=opts.max_tokens or self.config.engine.max_model_len, ras=self._ras(opts), seed=opts.seed)
 
     def _generation_request(self, request: SynthesisRequest, model_input: ModelInput, segment: int) -> GenerationRequest:
         opts = request.options
         lm = self.dims.lm
         min_len, max_len = length_limits(len(model_input.text), lm.min_token_text_ratio, lm.max_token_text_ratio)
-        ras = self.ras_params()
-        if opts.top_k is not None:
-            ras = dataclasses.replace(ras, top_k=opts.top_k)
+        ras = self._ras(opts)
         forced = opts.max_tokens is not None
         if forced:
             min_len = max_len = opts.max_tokens
@@ -316,6 +355,10 @@ class Synthesizer:
             min_tokens=min(min_len, max_len), max_tokens=max(max_len, 1), ras=ras,
             seed=None if opts.seed is None else opts.seed + segment,
             ignore_stop_tokens=forced)
+
+    def _ras(self, opts: SynthesisOptions) -> RASParams:
+        ras = self.ras_params()
+        return ras if opts.top_k is None else dataclasses.replace(ras, top_k=opts.top_k)
 
     def ras_params(self) -> RASParams:
         """The model yaml's RAS parameters with the config's overrides."""

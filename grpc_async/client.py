@@ -283,14 +283,17 @@ class CosyVoiceClient:
                                 speaker_id: str | None = None, prompt_audio: AudioInput | None = None,
                                 prompt_text: str | None = None, instruct_text: str | None = None,
                                 request_id: str = "", timeout: float | None = None, metadata=(),
-                                **opts) -> AsyncIterator[pb2.AudioChunk]:
+                                text_mode: str | None = None, **opts) -> AsyncIterator[pb2.AudioChunk]:
         """Bidirectional: sends the voice config, then each text piece as it comes, then `end`;
-        yields audio while pieces are still being sent (sentence by sentence)."""
+        yields audio while pieces are still being sent. text_mode: "bistream" or "sentence"
+        (None: the server's default)."""
         mode = mode or infer_mode(speaker_id=speaker_id, prompt_audio=prompt_audio, prompt_text=prompt_text,
                                   instruct_text=instruct_text, source_audio=None)
         field, msg = _voice(mode, speaker_id=speaker_id, prompt_audio=prompt_audio, prompt_text=prompt_text,
                             instruct_text=instruct_text, source_audio=None)
-        config = pb2.StreamConfig(options=options(**opts), request_id=request_id, **{field: msg})
+        modes = {None: pb2.TEXT_MODE_UNSPECIFIED, "bistream": pb2.TEXT_MODE_BISTREAM, "sentence": pb2.TEXT_MODE_SENTENCE}
+        config = pb2.StreamConfig(options=options(**opts), request_id=request_id, text_mode=modes[text_mode],
+                                  **{field: msg})
 
         async def requests():
             yield pb2.StreamSynthesizeRequest(config=config)

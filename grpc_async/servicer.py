@@ -358,7 +358,11 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             async with self._stream_slot():
                 template, output = await asyncio.to_thread(self._synthesis_request, config, "", call.request_id)
                 try:
-                    await self._speak(synth.synthesize_stream(text_pieces(), template), call,
+                    text_mode = {pb2.TEXT_MODE_BISTREAM: "bistream", pb2.TEXT_MODE_SENTENCE: "sentence"}.get(
+                        config.text_mode)
+                    if config.text_mode and text_mode is None:
+                        raise InvalidRequest(f"config.text_mode {config.text_mode} is not a known TextMode")
+                    await self._speak(synth.synthesize_stream(text_pieces(), template, text_mode=text_mode), call,
                                       self._encoder(synth, output))
                 except asyncio.CancelledError:
                     if misuse:

@@ -285,7 +285,7 @@ def test_synthesize_stream_prepares_the_voice_once(synth, prompt):
 
     async def body():
         request = _request(Mode.ZERO_SHOT, prompt, True, text="", options={"max_tokens": 20})
-        return [c async for c in s.synthesize_stream(pieces(), request)]
+        return [c async for c in s.synthesize_stream(pieces(), request, text_mode="sentence")]
 
     before = s.prompt_encoder.prompts_encoded
     chunks = synth.call(body())
@@ -320,3 +320,40 @@ def test_synthesize_stream_times_out_on_silence(synth, prompt):
     finally:
         s.config.limits.text_idle_seconds = idle
     assert s.engine_stats().running == 0 and s.batcher.pending == 0
+
+
+def test_synthesize_stream_bistream_is_the_default_and_speaks_before_the_text_ends(synth, prompt):
+    """One LM request for the whole stream: its first audio arrives while text is still held back.
+    (Each 5 text tokens let the LM speak 15 tokens; the first chunk needs 15 + 3, so the first
+    pieces hold more than 10 text tokens.)"""
+    import asyncio
+
+    s = synth.synth
+    assert s.supports_bistream
+
+    async def body():
+        first_audio = asyncio.Event()
+        sent = []
+
+        async def pieces():
+            for piece in ["Hello", " there,", " this is", " a sentence", " that keeps", " going on", " and"]:
+                sent.append(piece)
+                yield piece
+            await asyncio.wait_for(first_audio.wait(), 120)  # audio must come before the rest
+            for piece in [" on", " for a while."]:
+                sent.append(piece)
+                yield piece
+
+        request = _request(Mode.ZERO_SHOT_BY_SPK_ID, prompt, True, text="", options={"max_tokens": 200})
+        chunks = []
+        async for chunk in s.synthesize_stream(pieces(), request):
+            if len(chunk.samples) and not first_audio.is_set():
+                assert sent[-1] == " and"
+                first_audio.set()
+            chunks.append(chunk)
+        return chunks
+
+    chunks = synth.call(body())
+    tokens, _ = _check_chunks(chunks)
+    assert {c.segment_index for c in chunks} == {0} and 0 < len(tokens) <= 200
+    assert s.engine_stats().running == 0
