@@ -106,6 +106,8 @@ class VLLMEngine:
     """`SpeechTokenEngine` on vLLM. `lm` supplies the prompt embedding tables; when None, only the
     three embedding tables are read from `model_dir`'s llm.pt (the backbone is never allocated)."""
 
+    stage_stats = None  # vLLM's engine core runs its steps out of our sight (its own process)
+
     def __init__(self, lm: "CosyVoice2LM | None", model_dir: "ModelDir | str | Path",
                  args: VLLMEngineArgs = VLLMEngineArgs()):
         from ..model_dir import ModelDir, load_model_dir
