@@ -133,21 +133,26 @@ def test_run_level_stops_sending_after_max_seconds():
     assert 1 <= lv["requests"] < 1000 and lv["stopped_early"]["planned"] == 1000
 
 
-def test_stage_timer_wraps_and_restores():
-    class Runner:
-        def step(self, plan):
-            return plan * 2
+def test_stage_counters_from_prometheus_text():
+    from grpc_async.metrics import Metrics
+    from prometheus_client import generate_latest
 
-    r = Runner()
-    timer = bench.StageTimer()
-    assert timer.wrap("s", r, "step", items=lambda plan: plan)
-    assert not timer.wrap("missing", r, "nope")
-    before = timer.snapshot()
-    assert r.step(3) == 6 and r.step(4) == 8
-    d = bench.StageTimer.delta(before, timer.snapshot(), wall_s=1.0)
-    assert d["s"]["calls"] == 2 and d["s"]["items"] == 7 and d["s"]["busy_s"] >= 0
-    timer.close()
-    assert "step" not in vars(r)
+    from async_cosyvoice.stage_stats import StageStats
+
+    llm, t2w = StageStats("llm_step"), StageStats("token2wav_batch")
+    metrics = Metrics()
+    metrics.bind_stages(lambda: [llm, t2w])
+    before = bench.parse_prometheus(generate_latest(metrics.registry).decode())
+    assert before == {"llm_step": StageStats("llm_step"), "token2wav_batch": StageStats("token2wav_batch")}
+    llm.record(0.25, 3)
+    llm.record(0.5, 5, ok=False)
+    t2w.record(1.5, 4)
+    after = bench.parse_prometheus(generate_latest(metrics.registry).decode())
+    assert after["llm_step"] == llm and after["token2wav_batch"] == t2w
+    d = bench.stage_delta(before, after, wall_s=2.0)
+    assert d["llm_step"] == {"calls": 2, "items": 8, "busy_s": 0.75, "busy_fraction": 0.375, "ms_per_call": 375.0,
+                             "items_per_call": 4.0, "failed": 1}
+    assert d["token2wav_batch"]["busy_fraction"] == 0.75 and d["token2wav_batch"]["items_per_call"] == 4.0
 
 
 def test_synthetic_prompt_is_deterministic_and_bounded():
@@ -210,12 +215,16 @@ def test_bench_over_grpc(tiny_dir, tmp_path):
     from grpc_async.server import ServerThread
 
     cfg = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")},
-                                 "server": {"port": 0}})
+                                 "server": {"port": 0, "metrics_port": 0}})
     with ServerThread(cfg, ready_timeout=900) as st:
         speaker = bench.SpeakerSpec(prompt_seconds=1.0)
         r = asyncio.run(bench.bench_grpc(st.target, bench.Workload(text="Hello there.", tokens=20), [1], 2,
-                                         speaker=speaker, warmup=False))
+                                         speaker=speaker, warmup=False,
+                                         metrics_url=f"127.0.0.1:{st.server.metrics_port}"))
     (lv,) = r["levels"]
+    # the server's own stage counters, read over its Prometheus endpoint
+    assert lv["stages"]["llm_step"]["calls"] >= 20 and lv["stages"]["token2wav_batch"]["items"] >= 2 * 2
+    assert 0 < lv["stages"]["token2wav_batch"]["busy_s"] <= lv["wall_s"]
     assert lv["audio_s"] == pytest.approx(2 * 20 * 0.04)  # the forced token count travelled over gRPC
     assert r["meta"]["mode"] == "grpc" and lv["errors"] == 0 and lv["requests"] == 2
     assert lv["audio_s"] > 0 and 0 < lv["first_chunk_s"]["p50"] <= lv["total_s"]["p50"]

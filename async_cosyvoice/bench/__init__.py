@@ -25,8 +25,9 @@ Per request (times from sending the request):
 - audio seconds and RTF (total / audio seconds).
 Per level: avg/std/min/p50/p90/p95/p99/max of each latency and of the per-request RTF; the
 aggregate RTF (level wall time / audio seconds of all requests), audio seconds per second, and
-the underrun totals. In-process, also where the device time went: busy seconds and calls of the
-LLM engine's steps and of the token2wav batches (`stages`).
+the underrun totals. Also where the device time went (`stages`): busy seconds, calls and items of
+the LLM engine's steps and of the token2wav batches, from the counters those stages keep
+themselves, read in-process or, with `--metrics HOST:PORT`, from the server's Prometheus endpoint.
 
 `--t2w-compare C` (in-process only): the token2wav stage alone on fixed random token lists,
 C streams at once on the streaming chunk schedule, no LLM: once through a batching
@@ -47,7 +48,7 @@ from .plots import write_plots
 from .progress import Progress
 from .report import environment, format_t2w, format_table, write_json
 from .runner import bench_grpc, bench_in_process, run_level, run_request, run_sweep, warm_up
-from .stages import StageTimer, time_synthesizer_stages
+from .stages import PrometheusStages, StageCounters, SynthesizerStages, parse_prometheus, stage_delta
 from .t2w_compare import token2wav_compare
 from .targets import GrpcTarget, InProcessTarget, Target, register_grpc, register_in_process
 from .workload import DEFAULT_PROMPT_TEXT, DEFAULT_SPEAKER, DEFAULT_TEXT, SECONDS_PER_TOKEN, SpeakerSpec, Workload
@@ -55,9 +56,10 @@ from .workload import requests_per_level, synthetic_prompt
 
 __all__ = [
     "DEFAULT_PROMPT_TEXT", "DEFAULT_SPEAKER", "DEFAULT_TEXT", "PERCENTILES", "SECONDS_PER_TOKEN",
-    "GrpcTarget", "InProcessTarget", "Progress", "RequestResult", "SpeakerSpec", "StageTimer", "Target", "Workload",
+    "GrpcTarget", "InProcessTarget", "Progress", "PrometheusStages", "RequestResult", "SpeakerSpec", "StageCounters",
+    "SynthesizerStages", "Target", "Workload",
     "add_arguments", "bench_grpc", "bench_in_process", "environment", "format_t2w", "format_table", "main",
-    "parse_int_list", "register_grpc", "register_in_process", "requests_per_level", "run_level", "run_request",
-    "run_sweep", "summarize", "summarize_level", "synthetic_prompt", "time_synthesizer_stages", "token2wav_compare",
+    "parse_int_list", "parse_prometheus", "register_grpc", "register_in_process", "requests_per_level", "run_level", "run_request",
+    "run_sweep", "summarize", "stage_delta", "summarize_level", "synthetic_prompt", "token2wav_compare",
     "underruns", "warm_up", "write_json", "write_plots",
 ]

@@ -34,6 +34,9 @@ def add_arguments(p) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--target", help="host:port of a running server (gRPC)")
     where.add_argument("--in-process", action="store_true", help="run a Synthesizer in this process")
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="with --target: the server's Prometheus endpoint (server.metrics_port); each level "
+                        "then reports the server's stage busy counters")
     p.add_argument("--token", default=os.environ.get("ASYNC_COSYVOICE_TOKEN"),
                    help="bearer token for --target (env ASYNC_COSYVOICE_TOKEN)")
     p.add_argument("--concurrency", default="1,2,4,8", help="levels, e.g. 1,2,4,8,16,32,64 (default 1,2,4,8)")
@@ -105,7 +108,8 @@ def main(args, config_factory: Callable[[object], "Config"]) -> int:
                                                        t2w_compare=args.t2w_compare, t2w_tokens=args.t2w_tokens,
                                                        **common))
         else:
-            results = asyncio.run(bench_grpc(args.target, workload, levels, requests, token=args.token, **common))
+            results = asyncio.run(bench_grpc(args.target, workload, levels, requests, token=args.token,
+                                             metrics_url=args.metrics, **common))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from .metrics import RequestResult, summarize_level
 from .progress import Progress
 from .report import environment
-from .stages import StageTimer, time_synthesizer_stages
+from .stages import PrometheusStages, StageCounters, SynthesizerStages, stage_delta
 from .t2w_compare import token2wav_compare
 from .targets import GrpcTarget, InProcessTarget, Target, register_grpc, register_in_process
 from .workload import SpeakerSpec, Workload, requests_per_level
@@ -44,10 +44,11 @@ async def run_request(target: Target, workload: Workload, index: int, level_star
 
 async def run_level(target: Target, workload: Workload, concurrency: int, requests: int, *,
                     progress: Progress | None = None, max_seconds: float | None = None,
-                    stage_timer: StageTimer | None = None, label: str | None = None,
+                    stages: StageCounters | None = None, label: str | None = None,
                     detail: bool = True) -> dict:
     """Closed loop: `concurrency` workers send requests 0..max(requests, concurrency)-1 one after
-    another; after `max_seconds` no new request is sent. Returns `summarize_level`'s dict."""
+    another; after `max_seconds` no new request is sent. Returns `summarize_level`'s dict, with
+    the stages' busy counters over the level when `stages` is given."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     n = max(requests, concurrency)
@@ -55,7 +56,7 @@ async def run_level(target: Target, workload: Workload, concurrency: int, reques
     results: list[RequestResult] = []
     if progress:
         progress.start(label or f"concurrency {concurrency}", n)
-    before = stage_timer.snapshot() if stage_timer else None
+    before = await stages.read() if stages else None
     t0 = time.monotonic()
     stop_at = t0 + max_seconds if max_seconds else math.inf
 
@@ -70,9 +71,9 @@ async def run_level(target: Target, workload: Workload, concurrency: int, reques
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.monotonic() - t0
-    stages = StageTimer.delta(before, stage_timer.snapshot(), wall) if stage_timer else None
+    busy = stage_delta(before, await stages.read(), wall) if stages else None
     results.sort(key=lambda r: r.index)
-    level = summarize_level(concurrency, results, wall, stream=workload.stream, stages=stages, detail=detail)
+    level = summarize_level(concurrency, results, wall, stream=workload.stream, stages=busy, detail=detail)
     if len(results) < n:
         level["stopped_early"] = {"planned": n, "sent": len(results), "after_s": max_seconds}
     if progress:
@@ -99,13 +100,13 @@ async def warm_up(target: Target, workload: Workload, concurrency: int, progress
 
 async def run_sweep(target: Target, workload: Workload, levels: Sequence[int],
                     requests: int | Sequence[int] | Mapping[int, int], *, progress: Progress | None = None,
-                    max_level_seconds: float | None = None, stage_timer: StageTimer | None = None,
+                    max_level_seconds: float | None = None, stages: StageCounters | None = None,
                     detail: bool = True) -> list[dict]:
     counts = requests_per_level(levels, requests)
     out = []
     for c in levels:
         out.append(await run_level(target, workload, c, counts[c], progress=progress, max_seconds=max_level_seconds,
-                                   stage_timer=stage_timer, detail=detail))
+                                   stages=stages, detail=detail))
     return out
 
 
@@ -123,7 +124,6 @@ async def bench_in_process(config: "Config", workload: Workload, levels: Sequenc
     synth = await Synthesizer.create(config, warmup=warmup)
     load_s = time.monotonic() - t
     progress.note(f"synthesizer ready in {load_s:.1f} s ({config.model.device})")
-    timer = time_synthesizer_stages(synth)
     try:
         prompt_tokens = await register_in_process(synth, speaker)
         workload = dataclasses.replace(workload, speaker_id=speaker.speaker_id)
@@ -131,14 +131,13 @@ async def bench_in_process(config: "Config", workload: Workload, levels: Sequenc
         results = _header("in-process", workload, levels, speaker, config)
         results["meta"].update(load_s=load_s, prompt_tokens=prompt_tokens)
         await _warm_and_sweep(results, target, workload, levels, requests, warmup=warmup, progress=progress,
-                              max_level_seconds=max_level_seconds, stage_timer=timer, detail=detail)
+                              max_level_seconds=max_level_seconds, stages=SynthesizerStages(synth), detail=detail)
         if t2w_compare:
             results["t2w_compare"] = await token2wav_compare(
                 synth, t2w_compare, t2w_tokens or workload.tokens or 250, speaker.speaker_id, seed=workload.seed,
                 first_hop=workload.first_hop, warmup=warmup, progress=progress)
         return results
     finally:
-        timer.close()
         await synth.close()
 
 
@@ -146,7 +145,9 @@ async def bench_grpc(target_addr: str, workload: Workload, levels: Sequence[int]
                      requests: int | Sequence[int] | Mapping[int, int], *, token: str | None = None,
                      speaker: SpeakerSpec = SpeakerSpec(), warmup: bool = True,
                      max_level_seconds: float | None = None, progress: Progress | None = None,
-                     detail: bool = True) -> dict:
+                     detail: bool = True, metrics_url: str | None = None) -> dict:
+    """The sweep against a server; with `metrics_url` (its Prometheus endpoint) each level also
+    reports the server's stage busy counters."""
     from grpc_async.client import CosyVoiceClient
 
     progress = progress or Progress(enabled=False)
@@ -156,20 +157,21 @@ async def bench_grpc(target_addr: str, workload: Workload, levels: Sequence[int]
         workload = dataclasses.replace(workload, speaker_id=speaker.speaker_id)
         target = GrpcTarget(client)
         results = _header("grpc", workload, levels, speaker, None)
-        results["meta"].update(target=target_addr, prompt_seconds=prompt_seconds)
+        results["meta"].update(target=target_addr, prompt_seconds=prompt_seconds, metrics_url=metrics_url)
         await _warm_and_sweep(results, target, workload, levels, requests, warmup=warmup, progress=progress,
-                              max_level_seconds=max_level_seconds, detail=detail)
+                              max_level_seconds=max_level_seconds, detail=detail,
+                              stages=PrometheusStages(metrics_url) if metrics_url else None)
         return results
 
 
 async def _warm_and_sweep(results: dict, target: Target, workload: Workload, levels: Sequence[int], requests, *,
                           warmup: bool, progress: Progress, max_level_seconds: float | None,
-                          stage_timer: StageTimer | None = None, detail: bool = True) -> None:
+                          stages: StageCounters | None = None, detail: bool = True) -> None:
     """The part every target shares: an untimed round at the highest level, then the sweep."""
     if warmup and levels:
         results["meta"]["warmup_s"] = await warm_up(target, workload, max(levels), progress)
     results["levels"] = await run_sweep(target, workload, levels, requests, progress=progress,
-                                        max_level_seconds=max_level_seconds, stage_timer=stage_timer, detail=detail)
+                                        max_level_seconds=max_level_seconds, stages=stages, detail=detail)
 
 
 def _header(mode: str, workload: Workload, levels: Sequence[int], speaker: SpeakerSpec,
