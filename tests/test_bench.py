@@ -209,18 +209,25 @@ def test_cli_bench_in_process_sweep_and_t2w_compare(tiny_dir, tmp_path, capsys):
         assert (tmp_path / name).stat().st_size > 1000
 
 
-@pytest.mark.slow
-def test_bench_over_grpc(tiny_dir, tmp_path):
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    """A real server on 127.0.0.1 with the tiny model and its Prometheus endpoint."""
     from async_cosyvoice.config import Config
     from grpc_async.server import ServerThread
 
-    cfg = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")},
+    cfg = Config.model_validate({"model": {"dir": str(tiny_dir)},
+                                 "speakers": {"dir": str(tmp_path_factory.mktemp("spk"))},
                                  "server": {"port": 0, "metrics_port": 0}})
     with ServerThread(cfg, ready_timeout=900) as st:
-        speaker = bench.SpeakerSpec(prompt_seconds=1.0)
-        r = asyncio.run(bench.bench_grpc(st.target, bench.Workload(text="Hello there.", tokens=20), [1], 2,
-                                         speaker=speaker, warmup=False,
-                                         metrics_url=f"127.0.0.1:{st.server.metrics_port}"))
+        yield st
+
+
+@pytest.mark.slow
+def test_bench_over_grpc(server):
+    speaker = bench.SpeakerSpec(prompt_seconds=1.0)
+    r = asyncio.run(bench.bench_grpc(server.target, bench.Workload(text="Hello there.", tokens=20), [1], 2,
+                                     speaker=speaker, warmup=False,
+                                     metrics_url=f"127.0.0.1:{server.server.metrics_port}"))
     (lv,) = r["levels"]
     # the server's own stage counters, read over its Prometheus endpoint
     assert lv["stages"]["llm_step"]["calls"] >= 20 and lv["stages"]["token2wav_batch"]["items"] >= 2 * 2
@@ -230,6 +237,81 @@ def test_bench_over_grpc(tiny_dir, tmp_path):
     assert lv["audio_s"] > 0 and 0 < lv["first_chunk_s"]["p50"] <= lv["total_s"]["p50"]
     # the same seeds give the same workload
     assert lv["detail"][0]["audio_s"] > 0 and lv["detail"][0]["seed"] == 0
+
+
+def _check_open_level(lv, rate, duration, seed):
+    arrivals = bench.poisson_arrivals(rate, duration, seed)
+    assert lv["mode"] == "open_loop" and lv["rate"] == rate and lv["duration_s"] == duration
+    assert lv["requests"] == len(arrivals) == len(lv["detail"]) and lv["ok"] + lv["errors"] == lv["requests"]
+    assert lv["achieved_rate"] == pytest.approx(len(arrivals) / duration)
+    # sent at their arrival times (never early), in order
+    starts = [d["start_s"] for d in lv["detail"]]
+    assert all(s >= a - 1e-3 for s, a in zip(starts, arrivals)) and starts == sorted(starts)
+    for key in ("first_chunk_s", "total_s"):
+        q = lv[key]
+        assert q["n"] == lv["ok"]
+        assert q["min"] <= q["p50"] <= q["p90"] <= q["p95"] <= q["p99"] <= q["max"]
+    assert lv["first_chunk_s"]["max"] <= lv["total_s"]["max"]
+    assert 1 <= lv["in_flight"]["max"] <= lv["requests"] and 0 < lv["in_flight"]["mean"] <= lv["in_flight"]["max"]
+    late = [d["underruns"] for d in lv["detail"]]
+    assert lv["underruns"]["late_chunks"] == sum(late)
+    assert lv["underruns"]["requests_with_underruns"] == sum(1 for n in late if n)
+    clean = sum(1 for d in lv["detail"] if d["ok"] and d["underruns"] == 0)
+    assert lv["underrun_free_fraction"] == pytest.approx(clean / lv["requests"])
+    assert lv["stages"]["token2wav_batch"]["items"] >= lv["ok"]
+
+
+@pytest.mark.slow
+def test_open_loop_and_capacity_over_grpc(server, tmp_path, capsys):
+    from async_cosyvoice.cli import main
+
+    out = tmp_path / "open.json"
+    rc = main(["bench", "--target", server.target, "--metrics", f"127.0.0.1:{server.server.metrics_port}",
+               "--open-loop", "--rate", "2", "--duration", "3", "--tokens", "20", "--text", "Hello there.",
+               "--prompt-seconds", "1", "--seed", "3", "--no-warmup", "--out", str(out), "--quiet", "--no-plots"])
+    assert rc == 0
+    assert "open loop (Poisson arrivals)" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["levels"] == [] and r["meta"]["open_loop"]["rates"] == [2.0]
+    (lv,) = r["open_loop"]
+    assert lv["errors"] == 0
+    _check_open_level(lv, 2.0, 3.0, seed=3)
+
+    # a capacity search with criteria every level meets: doubles from 1/s up to the 2/s ceiling
+    from grpc_async.client import CosyVoiceClient
+
+    async def search():  # the speaker "bench" is registered on the server by the run above
+        async with CosyVoiceClient(server.target) as client:
+            return await bench.capacity_search(
+                bench.GrpcTarget(client), bench.Workload(text="Hello there.", tokens=20, seed=5),
+                start_rate=1.0, duration_s=2.0, max_rate=2.0, detail=True,
+                criteria=bench.CapacityCriteria(p99_first_chunk_s=60.0, min_underrun_free=0.0),
+                stages=bench.PrometheusStages(f"127.0.0.1:{server.server.metrics_port}"))
+    cap = asyncio.run(search())
+    assert [t["rate"] for t in cap["trials"]] == [1.0, 2.0] and cap["capacity_rate"] == 2.0
+    assert cap["first_failing_rate"] is None and cap["streams_in_flight"] == cap["trials"][1]["in_flight"]
+    for t in cap["trials"]:
+        assert t["capacity_check"] == {"passed": True, "reasons": []}
+        _check_open_level(t, t["rate"], 2.0, seed=5)
+    assert "capacity (" in bench.format_capacity(cap)
+
+
+def test_capacity_criteria_reasons():
+    ok = [_result(i, [0.1, 0.5], [0.5, 0.5]) for i in range(99)]
+    late = _result(99, [0.1, 0.9], [0.5, 0.5])
+    lv = bench.summarize_level(3, ok + [late], wall_s=10.0)
+    lv["underrun_free_fraction"] = 0.99
+    crit = bench.CapacityCriteria(p99_first_chunk_s=0.3, min_underrun_free=0.99)
+    assert crit.check(lv) == (True, [])
+    lv["underrun_free_fraction"] = 0.98
+    passed, why = crit.check(lv)
+    assert not passed and why == ["underrun-free 98.0% < 99.0%"]
+    slow = bench.summarize_level(3, [_result(i, [0.1 + i / 10, 2.0], [0.5, 0.5]) for i in range(10)], wall_s=10.0)
+    slow["underrun_free_fraction"] = 1.0
+    passed, why = crit.check(slow)
+    assert not passed and why[0].startswith("first chunk p99 ") and why[0].endswith(" ms > 300 ms")
+    assert bench.poisson_arrivals(4.0, 100.0, seed=1) == bench.poisson_arrivals(4.0, 100.0, seed=1)
+    assert len(bench.poisson_arrivals(4.0, 100.0, seed=1)) == pytest.approx(400, rel=0.15)
 
 
 @pytest.mark.slow

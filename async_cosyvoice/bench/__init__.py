@@ -3,6 +3,8 @@
     async-cosyvoice bench --in-process --concurrency 1,2,4,8 --requests 8 --tokens 250 --out r.json
     async-cosyvoice bench --target 127.0.0.1:50051 --concurrency 1,4,16 --requests 32 --out r.json
     async-cosyvoice bench --in-process --t2w-compare 32 --tokens 250 --out r.json
+    async-cosyvoice bench --target 127.0.0.1:50051 --open-loop --rate 0.5,1,2 --duration 60 --tokens 250
+    async-cosyvoice bench --target 127.0.0.1:50051 --capacity --rate 1 --duration 60 --tokens 250
 
 Workload. Every request speaks the same text with a registered speaker (by default "bench",
 registered first from a generated 6 s prompt wav, or from `--prompt-wav`), streaming, with seed
@@ -13,6 +15,14 @@ reproducible workloads, N x 40 ms of audio per request.
 Closed loop. At concurrency C, C workers each send a request, wait for its last chunk and send
 the next, until the level's requests (at least C) are done; `--max-level-seconds` stops sending
 new ones after that long.
+
+Open loop (`--open-loop --rate R[,R2...] --duration D`): requests arrive as a Poisson process at R
+per second for D seconds, however many are in flight (what users do); the level reports what the
+closed loop reports plus requests in flight (mean, max) and the fraction of requests that played
+without an underrun. `--capacity` searches for the largest rate (starting at the first `--rate`,
+doubling, then bisecting) at which p99 first chunk <= `--p99-ms` (300) and >= `--clean-pct` (99) %
+of the requests play without an underrun, and reports it with the streams in flight there. The
+closed-loop sweep runs too when `--concurrency` is given (always without --open-loop/--capacity).
 
 Per request (times from sending the request):
 - first chunk: until the first chunk with audio arrives;
@@ -47,7 +57,10 @@ from .metrics import PERCENTILES, RequestResult, summarize, summarize_level, und
 from .plots import write_plots
 from .progress import Progress
 from .report import environment, format_t2w, format_table, write_json
-from .runner import bench_grpc, bench_in_process, run_level, run_request, run_sweep, warm_up
+from .open_loop import CapacityCriteria, capacity_search, format_capacity, format_open_loop, poisson_arrivals
+from .open_loop import run_open_loop
+from .runner import run_level, run_request, run_sweep, warm_up
+from .session import OpenLoopPlan, bench_grpc, bench_in_process
 from .stages import PrometheusStages, StageCounters, SynthesizerStages, parse_prometheus, stage_delta
 from .t2w_compare import token2wav_compare
 from .targets import GrpcTarget, InProcessTarget, Target, register_grpc, register_in_process
@@ -55,6 +68,8 @@ from .workload import DEFAULT_PROMPT_TEXT, DEFAULT_SPEAKER, DEFAULT_TEXT, SECOND
 from .workload import requests_per_level, synthetic_prompt
 
 __all__ = [
+    "CapacityCriteria", "OpenLoopPlan", "capacity_search", "format_capacity", "format_open_loop",
+    "poisson_arrivals", "run_open_loop",
     "DEFAULT_PROMPT_TEXT", "DEFAULT_SPEAKER", "DEFAULT_TEXT", "PERCENTILES", "SECONDS_PER_TOKEN",
     "GrpcTarget", "InProcessTarget", "Progress", "PrometheusStages", "RequestResult", "SpeakerSpec", "StageCounters",
     "SynthesizerStages", "Target", "Workload",

@@ -1,5 +1,5 @@
-"""The closed loop: one request timed chunk by chunk, a level of C workers, the warm-up round, the
-sweep over levels, and whole runs in-process or over gRPC."""
+"""The closed loop: one request timed chunk by chunk, a level of C workers, the warm-up round and
+the sweep over levels."""
 from __future__ import annotations
 
 import asyncio
@@ -7,18 +7,13 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from .metrics import RequestResult, summarize_level
 from .progress import Progress
-from .report import environment
-from .stages import PrometheusStages, StageCounters, SynthesizerStages, stage_delta
-from .t2w_compare import token2wav_compare
-from .targets import GrpcTarget, InProcessTarget, Target, register_grpc, register_in_process
-from .workload import SpeakerSpec, Workload, requests_per_level
-
-if TYPE_CHECKING:
-    from ..config import Config
+from .stages import StageCounters, stage_delta
+from .targets import Target
+from .workload import Workload, requests_per_level
 
 
 async def run_request(target: Target, workload: Workload, index: int, level_start: float) -> RequestResult:
@@ -108,79 +103,3 @@ async def run_sweep(target: Target, workload: Workload, levels: Sequence[int],
         out.append(await run_level(target, workload, c, counts[c], progress=progress, max_seconds=max_level_seconds,
                                    stages=stages, detail=detail))
     return out
-
-
-async def bench_in_process(config: "Config", workload: Workload, levels: Sequence[int],
-                           requests: int | Sequence[int] | Mapping[int, int], *, speaker: SpeakerSpec = SpeakerSpec(),
-                           t2w_compare: int | None = None, t2w_tokens: int | None = None, warmup: bool = True,
-                           max_level_seconds: float | None = None, progress: Progress | None = None,
-                           detail: bool = True) -> dict:
-    """Build a Synthesizer from `config`, register the speaker, sweep, and optionally compare
-    token2wav batched vs sequential. Returns the results dict."""
-    from ..tts import Synthesizer
-
-    progress = progress or Progress(enabled=False)
-    t = time.monotonic()
-    synth = await Synthesizer.create(config, warmup=warmup)
-    load_s = time.monotonic() - t
-    progress.note(f"synthesizer ready in {load_s:.1f} s ({config.model.device})")
-    try:
-        prompt_tokens = await register_in_process(synth, speaker)
-        workload = dataclasses.replace(workload, speaker_id=speaker.speaker_id)
-        target = InProcessTarget(synth)
-        results = _header("in-process", workload, levels, speaker, config)
-        results["meta"].update(load_s=load_s, prompt_tokens=prompt_tokens)
-        await _warm_and_sweep(results, target, workload, levels, requests, warmup=warmup, progress=progress,
-                              max_level_seconds=max_level_seconds, stages=SynthesizerStages(synth), detail=detail)
-        if t2w_compare:
-            results["t2w_compare"] = await token2wav_compare(
-                synth, t2w_compare, t2w_tokens or workload.tokens or 250, speaker.speaker_id, seed=workload.seed,
-                first_hop=workload.first_hop, warmup=warmup, progress=progress)
-        return results
-    finally:
-        await synth.close()
-
-
-async def bench_grpc(target_addr: str, workload: Workload, levels: Sequence[int],
-                     requests: int | Sequence[int] | Mapping[int, int], *, token: str | None = None,
-                     speaker: SpeakerSpec = SpeakerSpec(), warmup: bool = True,
-                     max_level_seconds: float | None = None, progress: Progress | None = None,
-                     detail: bool = True, metrics_url: str | None = None) -> dict:
-    """The sweep against a server; with `metrics_url` (its Prometheus endpoint) each level also
-    reports the server's stage busy counters."""
-    from grpc_async.client import CosyVoiceClient
-
-    progress = progress or Progress(enabled=False)
-    async with CosyVoiceClient(target_addr, token=token) as client:
-        await client.wait_ready()
-        prompt_seconds = await register_grpc(client, speaker)
-        workload = dataclasses.replace(workload, speaker_id=speaker.speaker_id)
-        target = GrpcTarget(client)
-        results = _header("grpc", workload, levels, speaker, None)
-        results["meta"].update(target=target_addr, prompt_seconds=prompt_seconds, metrics_url=metrics_url)
-        await _warm_and_sweep(results, target, workload, levels, requests, warmup=warmup, progress=progress,
-                              max_level_seconds=max_level_seconds, detail=detail,
-                              stages=PrometheusStages(metrics_url) if metrics_url else None)
-        return results
-
-
-async def _warm_and_sweep(results: dict, target: Target, workload: Workload, levels: Sequence[int], requests, *,
-                          warmup: bool, progress: Progress, max_level_seconds: float | None,
-                          stages: StageCounters | None = None, detail: bool = True) -> None:
-    """The part every target shares: an untimed round at the highest level, then the sweep."""
-    if warmup and levels:
-        results["meta"]["warmup_s"] = await warm_up(target, workload, max(levels), progress)
-    results["levels"] = await run_sweep(target, workload, levels, requests, progress=progress,
-                                        max_level_seconds=max_level_seconds, stages=stages, detail=detail)
-
-
-def _header(mode: str, workload: Workload, levels: Sequence[int], speaker: SpeakerSpec,
-            config: "Config | None") -> dict:
-    meta = {"mode": mode, "levels": list(levels), "workload": workload.to_json(),
-            "speaker": {"speaker_id": speaker.speaker_id, "registered": speaker.register,
-                        "prompt_wav": str(speaker.prompt_wav) if speaker.prompt_wav else None,
-                        "prompt_seconds": None if speaker.prompt_wav else speaker.prompt_seconds},
-            "environment": environment(config.model.device if config else None)}
-    if config is not None:
-        meta["config"] = config.model_dump(mode="json")
-    return {"title": "async_cosyvoice", "meta": meta}
