@@ -332,3 +332,25 @@ def test_h200_script_quick_on_cpu(tmp_path):
     assert len(r["targets"]) == 6 and r["targets"][0]["value"] is not None
     assert "targets (issue 6)" in (tmp_path / "h200_table.txt").read_text()
     assert {"h200-latency.png", "h200-throughput.png", "h200-t2w.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.slow
+def test_h200_server_script_quick_on_cpu(tmp_path):
+    """The through-the-server script end to end on the tiny model: a real server child process."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_server_bench.py"
+    spec = importlib.util.spec_from_file_location("h200_server_bench", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--quick", "--skip", "capacity", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "server_results.json").read_text())
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and r["skipped"] == ["capacity"]
+    assert r["first_request"]["errors"] == 0 and r["meta"]["server_returncode"] is not None
+    for lv in r["levels"]:
+        assert lv["errors"] == 0 and lv["audio_s"] == pytest.approx(lv["requests"] * 20 * bench.SECONDS_PER_TOKEN)
+        assert lv["stages"]["token2wav_batch"]["calls"] > 0  # the server's counters, over Prometheus
+    assert r["meta"]["phases"]["server_start_s"] > 0 and len(r["summary"]) == 8
+    assert "through the gRPC server:" in (tmp_path / "server_table.txt").read_text()
+    assert {"server-latency.png", "server-first_chunk_hist.png"} <= {p.name for p in tmp_path.iterdir()}

@@ -154,13 +154,20 @@ async def capacity_search(target: Target, workload: Workload, *, start_rate: flo
                           max_rate: float = math.inf, refine: int = 2,
                           criteria: CapacityCriteria = CapacityCriteria(), progress: Progress | None = None,
                           stages: StageCounters | None = None, drain_timeout_s: float = 120.0,
-                          max_trials: int = 12, detail: bool = False) -> dict:
-    """The largest passing arrival rate (see the module docstring) and every trial run."""
+                          max_trials: int = 12, detail: bool = False, stop_at: float | None = None) -> dict:
+    """The largest passing arrival rate (see the module docstring) and every trial run. With
+    `stop_at` (monotonic seconds) no trial starts that could not finish its arrivals and a drain
+    as long again by then; `stopped_early` says so."""
     if not start_rate > 0:
         raise ValueError(f"start_rate must be > 0, got {start_rate}")
     trials: list[dict] = []
+    stopped = False
 
-    async def trial(rate: float) -> bool:
+    async def trial(rate: float) -> bool | None:
+        nonlocal stopped
+        if stop_at is not None and time.monotonic() + 2 * duration_s > stop_at:
+            stopped = True
+            return None
         level = await run_open_loop(target, workload, rate, duration_s, progress=progress, stages=stages,
                                     drain_timeout_s=drain_timeout_s, detail=detail)
         ok, why = criteria.check(level)
@@ -170,29 +177,32 @@ async def capacity_search(target: Target, workload: Workload, *, start_rate: flo
 
     best, worst = None, None  # highest passing, lowest failing rate
     rate = min(start_rate, max_rate)
-    while len(trials) < max_trials:
-        if await trial(rate):
+    while len(trials) < max_trials and not stopped:
+        passed = await trial(rate)
+        if passed:
             best = rate
             if rate >= max_rate:
                 break
             rate = min(2 * rate, max_rate)
-        else:
+        elif passed is False:
             worst = rate
             break
     if best is None and worst is not None:  # even the start failed: halve down (a few times)
         rate = worst / 2
-        while len(trials) < max_trials and best is None and rate >= start_rate / 8:
-            if await trial(rate):
+        while len(trials) < max_trials and best is None and not stopped and rate >= start_rate / 8:
+            passed = await trial(rate)
+            if passed:
                 best = rate
-            else:
+            elif passed is False:
                 worst, rate = rate, rate / 2
     for _ in range(refine):
-        if best is None or worst is None or len(trials) >= max_trials:
+        if best is None or worst is None or len(trials) >= max_trials or stopped:
             break
         mid = (best + worst) / 2
-        if await trial(mid):
+        passed = await trial(mid)
+        if passed:
             best = mid
-        else:
+        elif passed is False:
             worst = mid
     at = next((lv for lv in trials if lv["rate"] == best), None)
     return {
@@ -203,6 +213,7 @@ async def capacity_search(target: Target, workload: Workload, *, start_rate: flo
         "streams_in_flight": at and at["in_flight"],
         "request_audio_s": at and at["audio_s_per_request"]["avg"],
         "trials": sorted(trials, key=lambda lv: lv["rate"]),
+        "stopped_early": stopped,
     }
 
 
@@ -229,6 +240,8 @@ def format_capacity(cap: dict) -> str:
     rule = (f"p99 first chunk <= {1e3 * c['p99_first_chunk_s']:g} ms and >= {_pct(c['min_underrun_free'])} "
             f"of requests without an underrun")
     if cap["capacity_rate"] is None:
+        if cap["first_failing_rate"] is None:
+            return f"capacity ({rule}): not measured (no trial ran)"
         return f"capacity ({rule}): not reached at any rate tried (lowest failing {cap['first_failing_rate']:g}/s)"
     fl = cap["streams_in_flight"]
     audio = cap["request_audio_s"]
