@@ -132,7 +132,7 @@ def llm_steps(tree: Path, batches: list[int], compile: bool, timeout_s: float) -
     """bench_llm_engine.py --full-size in `tree` (its own code on PYTHONPATH): ms/step per batch."""
     cmd = [sys.executable, str(tree / "benchmarks" / "bench_llm_engine.py"), "--device", "cuda", "--dtype", "bfloat16",
            "--full-size", "--batch-sizes", *map(str, batches), "--max-model-len", "1024"] + (["--compile"] if compile else [])
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     t = time.monotonic()
     p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
     rows = {}
