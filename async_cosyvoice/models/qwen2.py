@@ -124,15 +124,15 @@ def keep_checkpoint_names(parent: nn.Module, packed: str) -> None:
     child `packed` into its rows; `parent.state_dict()` slices them out again. A state dict holding
     only some of the parts is left alone, so strict loading reports it as it stands. The hooks sit
     on the parent: its own load checks for unexpected keys before any child's hook runs."""
-    module: PackedLinear = getattr(parent, packed)
-
-    def pack(_parent, state_dict, prefix, *args) -> None:
+    def pack(owner: nn.Module, state_dict, prefix, *args) -> None:
+        module: PackedLinear = getattr(owner, packed)
         for tensor in module.tensor_names():
             keys = [f"{prefix}{part}.{tensor}" for part in module.parts]
             if all(k in state_dict for k in keys):
                 state_dict[f"{prefix}{packed}.{tensor}"] = torch.cat([state_dict.pop(k) for k in keys])
 
-    def split(_parent, state_dict, prefix, local_metadata) -> None:
+    def split(owner: nn.Module, state_dict, prefix, local_metadata) -> None:
+        module: PackedLinear = getattr(owner, packed)
         for tensor in module.tensor_names():
             pieces = state_dict.pop(f"{prefix}{packed}.{tensor}").split(list(module.parts.values()))
             for part, piece in zip(module.parts, pieces):
