@@ -1,10 +1,21 @@
 """One token2wav batcher per device: ready chunk jobs of all active streams run together.
 
 Streams submit one job at a time (`await batcher.submit(job, deadline)`); while the device is
-busy, jobs pile up, and the next batch takes the most urgent ones first: the job whose stream
-runs out of already-sent audio soonest (`deadline`, monotonic seconds; a first chunk is due
-now). The device work runs in one executor thread, so the event loop never blocks and the model
-sees one caller.
+busy, jobs pile up and the next batch is taken from them. Two lanes:
+
+- first chunks (a stream's chunk 0: what a new listener is waiting for) are taken first, as a
+  batch of their own: a first chunk waits for the batch that is running, never behind the queue.
+  So that arrivals cannot starve the streams already playing, two first-lane batches never run
+  back to back while other jobs wait;
+- every other batch takes the most urgent jobs first: the job whose stream runs out of
+  already-sent audio soonest (`deadline`, monotonic seconds; a first chunk is due now), at most
+  `max_batch` jobs and, with `max_batch_tokens`, at most that many flow positions (prompt +
+  tokens of each job, what the flow computes): this bounds one batch's device time, so a long
+  render is split into batches that new first chunks can run between.
+
+The device work runs in one executor thread, so the event loop never blocks and the model sees
+one caller. The batcher keeps its own counters (`stage_stats`: batches, jobs, busy seconds) and a
+bounded timeline of the batches it ran (`stats.timeline`), which metrics and benchmarks read.
 """
 from __future__ import annotations
 
@@ -13,14 +24,19 @@ import heapq
 import itertools
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from .stage_stats import StageStats, timed_call
 from .token2wav import Token2WavJob, Token2WavRunner
 
 log = logging.getLogger(__name__)
+
+FIRST_LANE = "first"
+MAIN_LANE = "main"
 
 
 @dataclass(order=True)
@@ -29,90 +45,167 @@ class _Pending:
     seq: int
     job: Token2WavJob = field(compare=False)
     future: asyncio.Future = field(compare=False)
+    submitted: float = field(compare=False)
+    after_batch: int = field(compare=False)  # batches started before this job was submitted
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    stream: int        # id() of the job's stream
+    chunk: int         # the job's chunk index in its stream (0: a first chunk)
+    seq: int           # submission order in this batcher
+    after_batch: int   # batches started before it was submitted (it ran in batch >= this)
+    queued_s: float    # from submission to its batch's start
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One batch the device thread ran."""
+    index: int
+    lane: str                   # FIRST_LANE or MAIN_LANE
+    started: float              # monotonic seconds
+    busy_s: float               # device-thread seconds of the batch
+    flow_positions: int         # prompt + tokens over its jobs (what the flow computes)
+    left_waiting: int           # live jobs still queued when it was taken
+    jobs: tuple[JobRecord, ...]
 
 
 @dataclass
 class BatcherStats:
-    batches: int = 0
-    jobs: int = 0
     max_batch_seen: int = 0
+    first_lane_batches: int = 0
+    timeline: deque = field(default_factory=lambda: deque(maxlen=1024))  # the latest BatchRecords
+
+
+def flow_positions(job: Token2WavJob) -> int:
+    return int(job.stream.prompt_token.shape[1]) + job.n_tokens
 
 
 class Token2WavBatcher:
-    def __init__(self, runner: Token2WavRunner, max_batch: int = 32, batching: bool = True):
+    def __init__(self, runner: Token2WavRunner, max_batch: int = 32, batching: bool = True,
+                 max_batch_tokens: int | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1 or None, got {max_batch_tokens}")
         self.runner = runner
         self.max_batch = max_batch if batching else 1
+        self.max_batch_tokens = max_batch_tokens
+        self.stage_stats = StageStats("token2wav_batch")
         self.stats = BatcherStats()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav")
-        self._heap: list[_Pending] = []
+        self._first: list[_Pending] = []  # heaps by (deadline, seq)
+        self._rest: list[_Pending] = []
         self._seq = itertools.count()
+        self._started = 0  # batches taken so far
+        self._last_lane = MAIN_LANE
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-
-    @property
-    def pending(self) -> int:
-        """Jobs waiting for the device (cancelled ones are not counted)."""
-        return sum(not p.future.done() for p in self._heap)
 
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor:
         """Run `job` (applying it to its stream) and return its samples (1-D float32, CPU).
         Cancelling the caller drops a job that has not started yet."""
         self._ensure_running()
         fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, _Pending(deadline, next(self._seq), job, fut))
+        entry = _Pending(deadline, next(self._seq), job, fut, time.monotonic(), self._started)
+        heapq.heappush(self._first if job.index == 0 else self._rest, entry)
         self._wake.set()
         return await fut
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet taken (cancelled ones excluded)."""
+        return sum(not p.future.done() for p in itertools.chain(self._first, self._rest))
 
     def _ensure_running(self) -> None:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wake = asyncio.Event()
-            self._heap = [p for p in self._heap if p.future.get_loop() is loop]
+            self._first = [p for p in self._first if p.future.get_loop() is loop]
+            self._rest = [p for p in self._rest if p.future.get_loop() is loop]
+            heapq.heapify(self._first)
+            heapq.heapify(self._rest)
             self._task = loop.create_task(self._loop(), name="token2wav-batcher")
 
-    def _take_batch(self) -> list[_Pending]:
-        batch, seen = [], set()
-        deferred = []
-        while self._heap and len(batch) < self.max_batch:
-            p = heapq.heappop(self._heap)
+    @staticmethod
+    def _drop_cancelled(heap: list[_Pending]) -> None:
+        while heap and heap[0].future.done():
+            heapq.heappop(heap)
+
+    def _take_batch(self) -> tuple[str, list[_Pending]]:
+        for heap in (self._first, self._rest):
+            self._drop_cancelled(heap)
+        if self._first and (self._last_lane != FIRST_LANE or not self._rest):
+            lane, heaps = FIRST_LANE, (self._first,)
+        else:
+            lane, heaps = MAIN_LANE, (self._first, self._rest)
+        batch, streams, deferred, positions = [], set(), [], 0
+        while len(batch) < self.max_batch:
+            live = [h for h in heaps if h]
+            if not live:
+                break
+            heap = min(live, key=lambda h: h[0])
+            p = heap[0]
             if p.future.done():  # cancelled while waiting
+                heapq.heappop(heap)
                 continue
-            if id(p.job.stream) in seen:  # a stream's chunks are sequential
-                deferred.append(p)
+            cost = flow_positions(p.job)
+            if batch and self.max_batch_tokens is not None and positions + cost > self.max_batch_tokens:
+                break
+            heapq.heappop(heap)
+            if id(p.job.stream) in streams:  # a stream's chunks are sequential
+                deferred.append((heap, p))
                 continue
-            seen.add(id(p.job.stream))
+            streams.add(id(p.job.stream))
             batch.append(p)
-        for p in deferred:
-            heapq.heappush(self._heap, p)
-        return batch
+            positions += cost
+        for heap, p in deferred:
+            heapq.heappush(heap, p)
+        if batch:
+            self._last_lane = lane
+        return lane, batch
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while batch := self._take_batch():
-                jobs = [p.job for p in batch]
+            while True:
+                lane, batch = self._take_batch()
+                if not batch:
+                    break
+                index, self._started = self._started, self._started + 1
                 started = time.monotonic()
+                left = self.pending
+                jobs = [p.job for p in batch]
                 for job in jobs:
                     job.timing.started = started
-                try:
-                    outs = await loop.run_in_executor(self._executor, self.runner.run_many, jobs)
-                except Exception as e:  # a failed batch fails its callers, not the batcher
-                    log.exception("token2wav batch of %d failed", len(jobs))
+                outs, seconds, ok = await loop.run_in_executor(self._executor, timed_call,
+                                                               self.runner.run_many, jobs)
+                self._record(index, lane, started, seconds, left, batch, ok)
+                if not ok:  # a failed batch fails its callers, not the batcher
+                    log.error("token2wav batch of %d failed", len(jobs), exc_info=outs)
                     for p in batch:
                         if not p.future.done():
-                            p.future.set_exception(e)
+                            p.future.set_exception(outs)
                     continue
-                self.stats.batches += 1
-                self.stats.jobs += len(jobs)
-                self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(jobs))
                 for p, out in zip(batch, outs):
                     if not p.future.done():
                         p.future.set_result(out)
                 # let the streams just served plan and submit their next chunk before the next
                 # batch is taken, so they batch together instead of alternating
                 await asyncio.sleep(0)
+
+    def _record(self, index: int, lane: str, started: float, seconds: float, left: int,
+                batch: list[_Pending], ok: bool) -> None:
+        self.stage_stats.record(seconds, len(batch), ok)
+        st = self.stats
+        st.max_batch_seen = max(st.max_batch_seen, len(batch))
+        st.first_lane_batches += lane == FIRST_LANE
+        jobs = tuple(JobRecord(id(p.job.stream), p.job.index, p.seq, p.after_batch, started - p.submitted)
+                     for p in batch)
+        st.timeline.append(BatchRecord(index, lane, started, seconds, sum(flow_positions(p.job) for p in batch),
+                                       left, jobs))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -122,8 +215,9 @@ class Token2WavBatcher:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for p in self._heap:
+        for p in itertools.chain(self._first, self._rest):
             if not p.future.done():
                 p.future.cancel()
-        self._heap.clear()
+        self._first.clear()
+        self._rest.clear()
         self._executor.shutdown(wait=True)

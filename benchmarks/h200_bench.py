@@ -213,7 +213,7 @@ async def measure(args, plan: dict, config: Config, results: dict, phases: dict,
     synth = await Synthesizer.create(config, warmup=not args.quick)
     phases["load_s"] = time.monotonic() - t
     log(f"synthesizer ready in {phases['load_s']:.1f} s")
-    timer = bench.time_synthesizer_stages(synth)
+    stages = bench.SynthesizerStages(synth)
     try:
         speaker = bench.SpeakerSpec(prompt_seconds=plan["prompt_seconds"], seed=args.seed)
         results["meta"]["prompt_tokens"] = await bench.register_in_process(synth, speaker)
@@ -238,14 +238,14 @@ async def measure(args, plan: dict, config: Config, results: dict, phases: dict,
                 if time_left("sweep", f"sweep level {c}"):
                     level_budget = deadline - time.monotonic() - reserve.get("sweep", 0.0)
                     results["levels"].append(await bench.run_level(
-                        target, workload, c, counts[c], progress=progress, stage_timer=timer,
+                        target, workload, c, counts[c], progress=progress, stages=stages,
                         max_seconds=min(args.max_level_seconds, max(level_budget, 1.0))))
 
         async def offline():
             results["offline"] = await bench.run_level(
                 target, dataclasses.replace(workload, stream=False), plan["offline_concurrency"],
                 plan["offline_requests"], progress=progress, max_seconds=2 * args.max_level_seconds,
-                stage_timer=timer, detail=False, label=f"offline x{plan['offline_concurrency']}")
+                stages=stages, detail=False, label=f"offline x{plan['offline_concurrency']}")
 
         async def t2w():
             results["t2w_compare"] = await bench.token2wav_compare(
@@ -263,7 +263,6 @@ async def measure(args, plan: dict, config: Config, results: dict, phases: dict,
             if wanted and name not in skip and (name == "sweep" or time_left(name)):
                 await run_phase(name, fn())
     finally:
-        timer.close()
         await synth.close()
 
 

@@ -1,5 +1,7 @@
-"""Where the first chunk's time goes: timestamps of one request's stages (LLM first token, 18th
-token, token2wav job submitted / done, chunk 0) for a few sequential streaming requests.
+"""Where the first chunk's time goes, for a few sequential streaming requests: when its token2wav
+job was submitted (the LLM had the first hop's tokens), how long it waited, how long its batch
+kept the device thread busy, and when chunks 0 and 1 reached the caller. Read from the token2wav
+batcher's own timeline; nothing is wrapped or patched.
 
     python benchmarks/stage_timing.py --model-dir DIR --device cuda [--estimator compiled] [--llm-compile]
 """
@@ -25,54 +27,22 @@ async def main(args) -> None:
     t = np.arange(6 * 24000) / 24000
     wav = (0.3 * np.sin(2 * np.pi * 150 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
     await synth.register_speaker("timing", "A six second prompt for timing.", Audio(wav, 24000), overwrite=True)
-    marks: dict[str, float] = {}
-    t0 = 0.0
-    generate, submit = synth.engine.generate, synth.batcher.submit
-
-    async def timed_generate(req):
-        n = 0
-        async for batch in generate(req):
-            n += len(batch)
-            marks.setdefault("first_token", time.monotonic() - t0)
-            if n >= 18:
-                marks.setdefault("token_18", time.monotonic() - t0)
-            yield batch
-
-    async def timed_submit(job, deadline):
-        marks.setdefault("job_submitted", time.monotonic() - t0)
-        out = await submit(job, deadline)
-        marks.setdefault("job_done", time.monotonic() - t0)
-        return out
-
-    runner = synth.batcher.runner
-    run_many, flow_mels, hift = runner.run_many, runner.flow_mels, runner.hift.inference
-
-    def synced(name, fn):
-        def wrapped(*a, **kw):
-            marks.setdefault(name + "_start", time.monotonic() - t0)
-            out = fn(*a, **kw)
-            if args.device.startswith("cuda"):
-                import torch
-                torch.cuda.synchronize()
-            marks.setdefault(name + "_end", time.monotonic() - t0)
-            return out
-        return wrapped
-
-    runner.run_many, runner.flow_mels = synced("run_many", run_many), synced("flow", flow_mels)
-    runner.hift.inference = synced("hift", hift)
-    synth.engine.generate, synth.batcher.submit = timed_generate, timed_submit
     text = "This is a sentence of moderate length that the benchmark speaks many times over."
     for i in range(args.requests):
-        marks.clear()
+        marks: dict[str, float] = {}
         t0 = time.monotonic()
         request = SynthesisRequest(Mode.ZERO_SHOT_BY_SPK_ID, text=text, speaker_id="timing",
                                    options=SynthesisOptions(stream=True, seed=i, max_tokens=args.tokens))
         async for chunk in synth.synthesize(request):
-            if chunk.index == 0:
-                marks["chunk_0"] = time.monotonic() - t0
-            if chunk.index == 1:
-                marks["chunk_1"] = time.monotonic() - t0
-        print("request", i, {k: round(v * 1000, 1) for k, v in marks.items()}, "ms", flush=True)
+            if chunk.index in (0, 1):
+                marks[f"chunk_{chunk.index}"] = time.monotonic() - t0
+        # one request at a time: its chunk 0 is the first chunk-0 job of a batch started after t0
+        batch, job = next((b, j) for b in synth.batcher.stats.timeline if b.started >= t0 for j in b.jobs
+                          if j.chunk == 0)
+        marks.update(job_submitted=batch.started - job.queued_s - t0, job_start=batch.started - t0,
+                     job_done=batch.started + batch.busy_s - t0)
+        print("request", i, {k: round(v * 1000, 1) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}, "ms",
+              flush=True)
     await synth.close()
 
 

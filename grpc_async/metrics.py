@@ -1,14 +1,18 @@
 """Prometheus metrics of the gRPC service, served on a side HTTP port (`server.metrics_port`).
 
 Each server owns its registry (several servers in one process, as in tests, do not collide).
-Engine gauges are read from `Synthesizer.engine_stats()` at scrape time.
+Engine gauges are read from `Synthesizer.engine_stats()` at scrape time, and so are the busy
+counters the device stages keep themselves (`StageStats`: LLM steps, token2wav batches).
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+
+from async_cosyvoice.stage_stats import StageStats
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,11 @@ class Metrics:
         self.engine_waiting.set_function(field("waiting"))
         self.engine_kv_usage.set_function(field("kv_usage"))
 
+    def bind_stages(self, stages: Callable[[], Iterable[StageStats]]) -> None:
+        """Export the stages' own counters (read at every scrape) as
+        cosyvoice_stage_{busy_seconds,calls,items,failed_calls}_total{stage=...}."""
+        self.registry.register(_StageCollector(stages))
+
     def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
@@ -78,3 +87,29 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _StageCollector:
+    """Counters owned by the stages, copied into the scrape (never set from outside)."""
+
+    FAMILIES = (("cosyvoice_stage_busy_seconds", "busy_s", "Seconds a device stage's thread spent in its calls"),
+                ("cosyvoice_stage_calls", "calls", "Calls a device stage ran (LLM steps, token2wav batches)"),
+                ("cosyvoice_stage_items", "items", "Rows / jobs in a device stage's calls"),
+                ("cosyvoice_stage_failed_calls", "failed", "Calls of a device stage that raised"))
+
+    def __init__(self, stages: Callable[[], Iterable[StageStats]]):
+        self.stages = stages
+
+    def describe(self):
+        return [CounterMetricFamily(name, doc, labels=["stage"]) for name, _, doc in self.FAMILIES]
+
+    def collect(self):
+        try:
+            stages = [s.copy() for s in self.stages()]
+        except Exception:  # a scrape must never fail because the model is gone
+            stages = []
+        for name, attr, doc in self.FAMILIES:
+            family = CounterMetricFamily(name, doc, labels=["stage"])
+            for s in stages:
+                family.add_metric([s.name], float(getattr(s, attr)))
+            yield family

@@ -143,6 +143,7 @@ class CosyVoiceServer:
                 synth = await Synthesizer.create(self.config)
         self.servicer.synth = synth
         self.metrics.bind_engine(synth.engine_stats)
+        self.metrics.bind_stages(lambda: [s for s in (synth.engine.stage_stats, synth.batcher.stage_stats) if s is not None])
         if self.servicer.closing:
             return
         self.metrics.ready.set(1)

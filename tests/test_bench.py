@@ -133,21 +133,26 @@ def test_run_level_stops_sending_after_max_seconds():
     assert 1 <= lv["requests"] < 1000 and lv["stopped_early"]["planned"] == 1000
 
 
-def test_stage_timer_wraps_and_restores():
-    class Runner:
-        def step(self, plan):
-            return plan * 2
+def test_stage_counters_from_prometheus_text():
+    from grpc_async.metrics import Metrics
+    from prometheus_client import generate_latest
 
-    r = Runner()
-    timer = bench.StageTimer()
-    assert timer.wrap("s", r, "step", items=lambda plan: plan)
-    assert not timer.wrap("missing", r, "nope")
-    before = timer.snapshot()
-    assert r.step(3) == 6 and r.step(4) == 8
-    d = bench.StageTimer.delta(before, timer.snapshot(), wall_s=1.0)
-    assert d["s"]["calls"] == 2 and d["s"]["items"] == 7 and d["s"]["busy_s"] >= 0
-    timer.close()
-    assert "step" not in vars(r)
+    from async_cosyvoice.stage_stats import StageStats
+
+    llm, t2w = StageStats("llm_step"), StageStats("token2wav_batch")
+    metrics = Metrics()
+    metrics.bind_stages(lambda: [llm, t2w])
+    before = bench.parse_prometheus(generate_latest(metrics.registry).decode())
+    assert before == {"llm_step": StageStats("llm_step"), "token2wav_batch": StageStats("token2wav_batch")}
+    llm.record(0.25, 3)
+    llm.record(0.5, 5, ok=False)
+    t2w.record(1.5, 4)
+    after = bench.parse_prometheus(generate_latest(metrics.registry).decode())
+    assert after["llm_step"] == llm and after["token2wav_batch"] == t2w
+    d = bench.stage_delta(before, after, wall_s=2.0)
+    assert d["llm_step"] == {"calls": 2, "items": 8, "busy_s": 0.75, "busy_fraction": 0.375, "ms_per_call": 375.0,
+                             "items_per_call": 4.0, "failed": 1}
+    assert d["token2wav_batch"]["busy_fraction"] == 0.75 and d["token2wav_batch"]["items_per_call"] == 4.0
 
 
 def test_synthetic_prompt_is_deterministic_and_bounded():
@@ -204,23 +209,109 @@ def test_cli_bench_in_process_sweep_and_t2w_compare(tiny_dir, tmp_path, capsys):
         assert (tmp_path / name).stat().st_size > 1000
 
 
-@pytest.mark.slow
-def test_bench_over_grpc(tiny_dir, tmp_path):
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    """A real server on 127.0.0.1 with the tiny model and its Prometheus endpoint."""
     from async_cosyvoice.config import Config
     from grpc_async.server import ServerThread
 
-    cfg = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")},
-                                 "server": {"port": 0}})
+    cfg = Config.model_validate({"model": {"dir": str(tiny_dir)},
+                                 "speakers": {"dir": str(tmp_path_factory.mktemp("spk"))},
+                                 "server": {"port": 0, "metrics_port": 0}})
     with ServerThread(cfg, ready_timeout=900) as st:
-        speaker = bench.SpeakerSpec(prompt_seconds=1.0)
-        r = asyncio.run(bench.bench_grpc(st.target, bench.Workload(text="Hello there.", tokens=20), [1], 2,
-                                         speaker=speaker, warmup=False))
+        yield st
+
+
+@pytest.mark.slow
+def test_bench_over_grpc(server):
+    speaker = bench.SpeakerSpec(prompt_seconds=1.0)
+    r = asyncio.run(bench.bench_grpc(server.target, bench.Workload(text="Hello there.", tokens=20), [1], 2,
+                                     speaker=speaker, warmup=False,
+                                     metrics_url=f"127.0.0.1:{server.server.metrics_port}"))
     (lv,) = r["levels"]
+    # the server's own stage counters, read over its Prometheus endpoint
+    assert lv["stages"]["llm_step"]["calls"] >= 20 and lv["stages"]["token2wav_batch"]["items"] >= 2 * 2
+    assert 0 < lv["stages"]["token2wav_batch"]["busy_s"] <= lv["wall_s"]
     assert lv["audio_s"] == pytest.approx(2 * 20 * 0.04)  # the forced token count travelled over gRPC
     assert r["meta"]["mode"] == "grpc" and lv["errors"] == 0 and lv["requests"] == 2
     assert lv["audio_s"] > 0 and 0 < lv["first_chunk_s"]["p50"] <= lv["total_s"]["p50"]
     # the same seeds give the same workload
     assert lv["detail"][0]["audio_s"] > 0 and lv["detail"][0]["seed"] == 0
+
+
+def _check_open_level(lv, rate, duration, seed):
+    arrivals = bench.poisson_arrivals(rate, duration, seed)
+    assert lv["mode"] == "open_loop" and lv["rate"] == rate and lv["duration_s"] == duration
+    assert lv["requests"] == len(arrivals) == len(lv["detail"]) and lv["ok"] + lv["errors"] == lv["requests"]
+    assert lv["achieved_rate"] == pytest.approx(len(arrivals) / duration)
+    # sent at their arrival times (never early), in order
+    starts = [d["start_s"] for d in lv["detail"]]
+    assert all(s >= a - 1e-3 for s, a in zip(starts, arrivals)) and starts == sorted(starts)
+    for key in ("first_chunk_s", "total_s"):
+        q = lv[key]
+        assert q["n"] == lv["ok"]
+        assert q["min"] <= q["p50"] <= q["p90"] <= q["p95"] <= q["p99"] <= q["max"]
+    assert lv["first_chunk_s"]["max"] <= lv["total_s"]["max"]
+    assert 1 <= lv["in_flight"]["max"] <= lv["requests"] and 0 < lv["in_flight"]["mean"] <= lv["in_flight"]["max"]
+    late = [d["underruns"] for d in lv["detail"]]
+    assert lv["underruns"]["late_chunks"] == sum(late)
+    assert lv["underruns"]["requests_with_underruns"] == sum(1 for n in late if n)
+    clean = sum(1 for d in lv["detail"] if d["ok"] and d["underruns"] == 0)
+    assert lv["underrun_free_fraction"] == pytest.approx(clean / lv["requests"])
+    assert lv["stages"]["token2wav_batch"]["items"] >= lv["ok"]
+
+
+@pytest.mark.slow
+def test_open_loop_and_capacity_over_grpc(server, tmp_path, capsys):
+    from async_cosyvoice.cli import main
+
+    out = tmp_path / "open.json"
+    rc = main(["bench", "--target", server.target, "--metrics", f"127.0.0.1:{server.server.metrics_port}",
+               "--open-loop", "--rate", "2", "--duration", "3", "--tokens", "20", "--text", "Hello there.",
+               "--prompt-seconds", "1", "--seed", "3", "--no-warmup", "--out", str(out), "--quiet", "--no-plots"])
+    assert rc == 0
+    assert "open loop (Poisson arrivals)" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["levels"] == [] and r["meta"]["open_loop"]["rates"] == [2.0]
+    (lv,) = r["open_loop"]
+    assert lv["errors"] == 0
+    _check_open_level(lv, 2.0, 3.0, seed=3)
+
+    # a capacity search with criteria every level meets: doubles from 1/s up to the 2/s ceiling
+    from grpc_async.client import CosyVoiceClient
+
+    async def search():  # the speaker "bench" is registered on the server by the run above
+        async with CosyVoiceClient(server.target) as client:
+            return await bench.capacity_search(
+                bench.GrpcTarget(client), bench.Workload(text="Hello there.", tokens=20, seed=5),
+                start_rate=1.0, duration_s=2.0, max_rate=2.0, detail=True,
+                criteria=bench.CapacityCriteria(p99_first_chunk_s=60.0, min_underrun_free=0.0),
+                stages=bench.PrometheusStages(f"127.0.0.1:{server.server.metrics_port}"))
+    cap = asyncio.run(search())
+    assert [t["rate"] for t in cap["trials"]] == [1.0, 2.0] and cap["capacity_rate"] == 2.0
+    assert cap["first_failing_rate"] is None and cap["streams_in_flight"] == cap["trials"][1]["in_flight"]
+    for t in cap["trials"]:
+        assert t["capacity_check"] == {"passed": True, "reasons": []}
+        _check_open_level(t, t["rate"], 2.0, seed=5)
+    assert "capacity (" in bench.format_capacity(cap)
+
+
+def test_capacity_criteria_reasons():
+    ok = [_result(i, [0.1, 0.5], [0.5, 0.5]) for i in range(99)]
+    late = _result(99, [0.1, 0.9], [0.5, 0.5])
+    lv = bench.summarize_level(3, ok + [late], wall_s=10.0)
+    lv["underrun_free_fraction"] = 0.99
+    crit = bench.CapacityCriteria(p99_first_chunk_s=0.3, min_underrun_free=0.99)
+    assert crit.check(lv) == (True, [])
+    lv["underrun_free_fraction"] = 0.98
+    passed, why = crit.check(lv)
+    assert not passed and why == ["underrun-free 98.0% < 99.0%"]
+    slow = bench.summarize_level(3, [_result(i, [0.1 + i / 10, 2.0], [0.5, 0.5]) for i in range(10)], wall_s=10.0)
+    slow["underrun_free_fraction"] = 1.0
+    passed, why = crit.check(slow)
+    assert not passed and why[0].startswith("first chunk p99 ") and why[0].endswith(" ms > 300 ms")
+    assert bench.poisson_arrivals(4.0, 100.0, seed=1) == bench.poisson_arrivals(4.0, 100.0, seed=1)
+    assert len(bench.poisson_arrivals(4.0, 100.0, seed=1)) == pytest.approx(400, rel=0.15)
 
 
 @pytest.mark.slow
@@ -241,3 +332,25 @@ def test_h200_script_quick_on_cpu(tmp_path):
     assert len(r["targets"]) == 6 and r["targets"][0]["value"] is not None
     assert "targets (issue 6)" in (tmp_path / "h200_table.txt").read_text()
     assert {"h200-latency.png", "h200-throughput.png", "h200-t2w.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.slow
+def test_h200_server_script_quick_on_cpu(tmp_path):
+    """The through-the-server script end to end on the tiny model: a real server child process."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_server_bench.py"
+    spec = importlib.util.spec_from_file_location("h200_server_bench", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--quick", "--skip", "capacity", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "server_results.json").read_text())
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and r["skipped"] == ["capacity"]
+    assert r["first_request"]["errors"] == 0 and r["meta"]["server_returncode"] is not None
+    for lv in r["levels"]:
+        assert lv["errors"] == 0 and lv["audio_s"] == pytest.approx(lv["requests"] * 20 * bench.SECONDS_PER_TOKEN)
+        assert lv["stages"]["token2wav_batch"]["calls"] > 0  # the server's counters, over Prometheus
+    assert r["meta"]["phases"]["server_start_s"] > 0 and len(r["summary"]) == 8
+    assert "through the gRPC server:" in (tmp_path / "server_table.txt").read_text()
+    assert {"server-latency.png", "server-first_chunk_hist.png"} <= {p.name for p in tmp_path.iterdir()}

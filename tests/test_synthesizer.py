@@ -266,7 +266,7 @@ def test_cancel_drops_the_pending_token2wav_job(synth, prompt):
         run_b.cancel()
         await run_a
         await asyncio.sleep(0)
-        stats = batcher.stats.jobs, batcher.pending, a.chunks_done, b.chunks_done
+        stats = batcher.stage_stats.items, batcher.pending, a.chunks_done, b.chunks_done
         await batcher.close()
         return stats
 

@@ -3,6 +3,8 @@
     async-cosyvoice bench --in-process --concurrency 1,2,4,8 --requests 8 --tokens 250 --out r.json
     async-cosyvoice bench --target 127.0.0.1:50051 --concurrency 1,4,16 --requests 32 --out r.json
     async-cosyvoice bench --in-process --t2w-compare 32 --tokens 250 --out r.json
+    async-cosyvoice bench --target 127.0.0.1:50051 --open-loop --rate 0.5,1,2 --duration 60 --tokens 250
+    async-cosyvoice bench --target 127.0.0.1:50051 --capacity --rate 1 --duration 60 --tokens 250
 
 Workload. Every request speaks the same text with a registered speaker (by default "bench",
 registered first from a generated 6 s prompt wav, or from `--prompt-wav`), streaming, with seed
@@ -13,6 +15,14 @@ reproducible workloads, N x 40 ms of audio per request.
 Closed loop. At concurrency C, C workers each send a request, wait for its last chunk and send
 the next, until the level's requests (at least C) are done; `--max-level-seconds` stops sending
 new ones after that long.
+
+Open loop (`--open-loop --rate R[,R2...] --duration D`): requests arrive as a Poisson process at R
+per second for D seconds, however many are in flight (what users do); the level reports what the
+closed loop reports plus requests in flight (mean, max) and the fraction of requests that played
+without an underrun. `--capacity` searches for the largest rate (starting at the first `--rate`,
+doubling, then bisecting) at which p99 first chunk <= `--p99-ms` (300) and >= `--clean-pct` (99) %
+of the requests play without an underrun, and reports it with the streams in flight there. The
+closed-loop sweep runs too when `--concurrency` is given (always without --open-loop/--capacity).
 
 Per request (times from sending the request):
 - first chunk: until the first chunk with audio arrives;
@@ -25,8 +35,9 @@ Per request (times from sending the request):
 - audio seconds and RTF (total / audio seconds).
 Per level: avg/std/min/p50/p90/p95/p99/max of each latency and of the per-request RTF; the
 aggregate RTF (level wall time / audio seconds of all requests), audio seconds per second, and
-the underrun totals. In-process, also where the device time went: busy seconds and calls of the
-LLM engine's steps and of the token2wav batches (`stages`).
+the underrun totals. Also where the device time went (`stages`): busy seconds, calls and items of
+the LLM engine's steps and of the token2wav batches, from the counters those stages keep
+themselves, read in-process or, with `--metrics HOST:PORT`, from the server's Prometheus endpoint.
 
 `--t2w-compare C` (in-process only): the token2wav stage alone on fixed random token lists,
 C streams at once on the streaming chunk schedule, no LLM: once through a batching
@@ -46,18 +57,24 @@ from .metrics import PERCENTILES, RequestResult, summarize, summarize_level, und
 from .plots import write_plots
 from .progress import Progress
 from .report import environment, format_t2w, format_table, write_json
-from .runner import bench_grpc, bench_in_process, run_level, run_request, run_sweep, warm_up
-from .stages import StageTimer, time_synthesizer_stages
+from .open_loop import CapacityCriteria, capacity_search, format_capacity, format_open_loop, poisson_arrivals
+from .open_loop import run_open_loop
+from .runner import run_level, run_request, run_sweep, warm_up
+from .session import OpenLoopPlan, bench_grpc, bench_in_process
+from .stages import PrometheusStages, StageCounters, SynthesizerStages, parse_prometheus, stage_delta
 from .t2w_compare import token2wav_compare
 from .targets import GrpcTarget, InProcessTarget, Target, register_grpc, register_in_process
 from .workload import DEFAULT_PROMPT_TEXT, DEFAULT_SPEAKER, DEFAULT_TEXT, SECONDS_PER_TOKEN, SpeakerSpec, Workload
 from .workload import requests_per_level, synthetic_prompt
 
 __all__ = [
+    "CapacityCriteria", "OpenLoopPlan", "capacity_search", "format_capacity", "format_open_loop",
+    "poisson_arrivals", "run_open_loop",
     "DEFAULT_PROMPT_TEXT", "DEFAULT_SPEAKER", "DEFAULT_TEXT", "PERCENTILES", "SECONDS_PER_TOKEN",
-    "GrpcTarget", "InProcessTarget", "Progress", "RequestResult", "SpeakerSpec", "StageTimer", "Target", "Workload",
+    "GrpcTarget", "InProcessTarget", "Progress", "PrometheusStages", "RequestResult", "SpeakerSpec", "StageCounters",
+    "SynthesizerStages", "Target", "Workload",
     "add_arguments", "bench_grpc", "bench_in_process", "environment", "format_t2w", "format_table", "main",
-    "parse_int_list", "register_grpc", "register_in_process", "requests_per_level", "run_level", "run_request",
-    "run_sweep", "summarize", "summarize_level", "synthetic_prompt", "time_synthesizer_stages", "token2wav_compare",
+    "parse_int_list", "parse_prometheus", "register_grpc", "register_in_process", "requests_per_level", "run_level", "run_request",
+    "run_sweep", "summarize", "stage_delta", "summarize_level", "synthetic_prompt", "token2wav_compare",
     "underruns", "warm_up", "write_json", "write_plots",
 ]

@@ -1,5 +1,5 @@
-"""The closed loop: one request timed chunk by chunk, a level of C workers, the warm-up round, the
-sweep over levels, and whole runs in-process or over gRPC."""
+"""The closed loop: one request timed chunk by chunk, a level of C workers, the warm-up round and
+the sweep over levels."""
 from __future__ import annotations
 
 import asyncio
@@ -7,18 +7,13 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from .metrics import RequestResult, summarize_level
 from .progress import Progress
-from .report import environment
-from .stages import StageTimer, time_synthesizer_stages
-from .t2w_compare import token2wav_compare
-from .targets import GrpcTarget, InProcessTarget, Target, register_grpc, register_in_process
-from .workload import SpeakerSpec, Workload, requests_per_level
-
-if TYPE_CHECKING:
-    from ..config import Config
+from .stages import StageCounters, stage_delta
+from .targets import Target
+from .workload import Workload, requests_per_level
 
 
 async def run_request(target: Target, workload: Workload, index: int, level_start: float) -> RequestResult:
@@ -44,10 +39,11 @@ async def run_request(target: Target, workload: Workload, index: int, level_star
 
 async def run_level(target: Target, workload: Workload, concurrency: int, requests: int, *,
                     progress: Progress | None = None, max_seconds: float | None = None,
-                    stage_timer: StageTimer | None = None, label: str | None = None,
+                    stages: StageCounters | None = None, label: str | None = None,
                     detail: bool = True) -> dict:
     """Closed loop: `concurrency` workers send requests 0..max(requests, concurrency)-1 one after
-    another; after `max_seconds` no new request is sent. Returns `summarize_level`'s dict."""
+    another; after `max_seconds` no new request is sent. Returns `summarize_level`'s dict, with
+    the stages' busy counters over the level when `stages` is given."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     n = max(requests, concurrency)
@@ -55,7 +51,7 @@ async def run_level(target: Target, workload: Workload, concurrency: int, reques
     results: list[RequestResult] = []
     if progress:
         progress.start(label or f"concurrency {concurrency}", n)
-    before = stage_timer.snapshot() if stage_timer else None
+    before = await stages.read() if stages else None
     t0 = time.monotonic()
     stop_at = t0 + max_seconds if max_seconds else math.inf
 
@@ -70,9 +66,9 @@ async def run_level(target: Target, workload: Workload, concurrency: int, reques
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.monotonic() - t0
-    stages = StageTimer.delta(before, stage_timer.snapshot(), wall) if stage_timer else None
+    busy = stage_delta(before, await stages.read(), wall) if stages else None
     results.sort(key=lambda r: r.index)
-    level = summarize_level(concurrency, results, wall, stream=workload.stream, stages=stages, detail=detail)
+    level = summarize_level(concurrency, results, wall, stream=workload.stream, stages=busy, detail=detail)
     if len(results) < n:
         level["stopped_early"] = {"planned": n, "sent": len(results), "after_s": max_seconds}
     if progress:
@@ -99,86 +95,11 @@ async def warm_up(target: Target, workload: Workload, concurrency: int, progress
 
 async def run_sweep(target: Target, workload: Workload, levels: Sequence[int],
                     requests: int | Sequence[int] | Mapping[int, int], *, progress: Progress | None = None,
-                    max_level_seconds: float | None = None, stage_timer: StageTimer | None = None,
+                    max_level_seconds: float | None = None, stages: StageCounters | None = None,
                     detail: bool = True) -> list[dict]:
     counts = requests_per_level(levels, requests)
     out = []
     for c in levels:
         out.append(await run_level(target, workload, c, counts[c], progress=progress, max_seconds=max_level_seconds,
-                                   stage_timer=stage_timer, detail=detail))
+                                   stages=stages, detail=detail))
     return out
-
-
-async def bench_in_process(config: "Config", workload: Workload, levels: Sequence[int],
-                           requests: int | Sequence[int] | Mapping[int, int], *, speaker: SpeakerSpec = SpeakerSpec(),
-                           t2w_compare: int | None = None, t2w_tokens: int | None = None, warmup: bool = True,
-                           max_level_seconds: float | None = None, progress: Progress | None = None,
-                           detail: bool = True) -> dict:
-    """Build a Synthesizer from `config`, register the speaker, sweep, and optionally compare
-    token2wav batched vs sequential. Returns the results dict."""
-    from ..tts import Synthesizer
-
-    progress = progress or Progress(enabled=False)
-    t = time.monotonic()
-    synth = await Synthesizer.create(config, warmup=warmup)
-    load_s = time.monotonic() - t
-    progress.note(f"synthesizer ready in {load_s:.1f} s ({config.model.device})")
-    timer = time_synthesizer_stages(synth)
-    try:
-        prompt_tokens = await register_in_process(synth, speaker)
-        workload = dataclasses.replace(workload, speaker_id=speaker.speaker_id)
-        target = InProcessTarget(synth)
-        results = _header("in-process", workload, levels, speaker, config)
-        results["meta"].update(load_s=load_s, prompt_tokens=prompt_tokens)
-        await _warm_and_sweep(results, target, workload, levels, requests, warmup=warmup, progress=progress,
-                              max_level_seconds=max_level_seconds, stage_timer=timer, detail=detail)
-        if t2w_compare:
-            results["t2w_compare"] = await token2wav_compare(
-                synth, t2w_compare, t2w_tokens or workload.tokens or 250, speaker.speaker_id, seed=workload.seed,
-                first_hop=workload.first_hop, warmup=warmup, progress=progress)
-        return results
-    finally:
-        timer.close()
-        await synth.close()
-
-
-async def bench_grpc(target_addr: str, workload: Workload, levels: Sequence[int],
-                     requests: int | Sequence[int] | Mapping[int, int], *, token: str | None = None,
-                     speaker: SpeakerSpec = SpeakerSpec(), warmup: bool = True,
-                     max_level_seconds: float | None = None, progress: Progress | None = None,
-                     detail: bool = True) -> dict:
-    from grpc_async.client import CosyVoiceClient
-
-    progress = progress or Progress(enabled=False)
-    async with CosyVoiceClient(target_addr, token=token) as client:
-        await client.wait_ready()
-        prompt_seconds = await register_grpc(client, speaker)
-        workload = dataclasses.replace(workload, speaker_id=speaker.speaker_id)
-        target = GrpcTarget(client)
-        results = _header("grpc", workload, levels, speaker, None)
-        results["meta"].update(target=target_addr, prompt_seconds=prompt_seconds)
-        await _warm_and_sweep(results, target, workload, levels, requests, warmup=warmup, progress=progress,
-                              max_level_seconds=max_level_seconds, detail=detail)
-        return results
-
-
-async def _warm_and_sweep(results: dict, target: Target, workload: Workload, levels: Sequence[int], requests, *,
-                          warmup: bool, progress: Progress, max_level_seconds: float | None,
-                          stage_timer: StageTimer | None = None, detail: bool = True) -> None:
-    """The part every target shares: an untimed round at the highest level, then the sweep."""
-    if warmup and levels:
-        results["meta"]["warmup_s"] = await warm_up(target, workload, max(levels), progress)
-    results["levels"] = await run_sweep(target, workload, levels, requests, progress=progress,
-                                        max_level_seconds=max_level_seconds, stage_timer=stage_timer, detail=detail)
-
-
-def _header(mode: str, workload: Workload, levels: Sequence[int], speaker: SpeakerSpec,
-            config: "Config | None") -> dict:
-    meta = {"mode": mode, "levels": list(levels), "workload": workload.to_json(),
-            "speaker": {"speaker_id": speaker.speaker_id, "registered": speaker.register,
-                        "prompt_wav": str(speaker.prompt_wav) if speaker.prompt_wav else None,
-                        "prompt_seconds": None if speaker.prompt_wav else speaker.prompt_seconds},
-            "environment": environment(config.model.device if config else None)}
-    if config is not None:
-        meta["config"] = config.model_dump(mode="json")
-    return {"title": "async_cosyvoice", "meta": meta}

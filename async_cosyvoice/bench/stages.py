@@ -1,87 +1,75 @@
-"""Stage timing (in-process): busy seconds of the engine's steps and the token2wav batches, added
-up by wrapping those methods."""
+"""Where the device time went during a level: the busy counters the stages keep themselves
+(`StageStats` of the LLM engine's steps and of the token2wav batches), read before and after.
+
+In-process they are read from the Synthesizer; over gRPC from the server's Prometheus endpoint
+(`server.metrics_port`), where they are `cosyvoice_stage_{busy_seconds,calls,items}_total`. The
+benchmark never wraps or patches what it measures.
+"""
 from __future__ import annotations
 
-import contextlib
-import logging
-import sys
-import time
-from typing import TYPE_CHECKING, Callable, Mapping
+import asyncio
+import urllib.request
+from typing import TYPE_CHECKING, Mapping, Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..stage_stats import StageStats
 
 if TYPE_CHECKING:
     from ..tts import Synthesizer
 
-log = logging.getLogger(__name__)
+# Prometheus counter (without `_total`) -> StageStats field
+PROMETHEUS_FIELDS = {"cosyvoice_stage_busy_seconds": "busy_s", "cosyvoice_stage_calls": "calls",
+                     "cosyvoice_stage_items": "items", "cosyvoice_stage_failed_calls": "failed"}
 
 
-class StageTimer:
-    """Wraps methods of model-facing objects (on the instance only) to add up their wall time.
-
-    Each wrapped call runs in its stage's executor thread and ends by copying results to the
-    CPU, so its wall time includes the device time. Stages share the device, so busy fractions
-    of different stages may add up to more than 1."""
-
-    def __init__(self):
-        self.totals: dict[str, list[float]] = {}  # name -> [calls, seconds, items]
-        self._restore: list[tuple[object, str]] = []
-
-    def wrap(self, name: str, obj: object, method: str, items: Callable[..., int] | None = None) -> bool:
-        fn = getattr(obj, method, None) if obj is not None else None
-        if fn is None:
-            return False
-        acc = self.totals.setdefault(name, [0, 0.0, 0])
-
-        # names the stage in a torch.profiler trace (next to nothing otherwise); torch is loaded
-        # wherever there is a model to time
-        record_function = sys.modules["torch"].profiler.record_function if "torch" in sys.modules \
-            else contextlib.nullcontext
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                with record_function(name):
-                    return fn(*args, **kwargs)
-            finally:
-                acc[0] += 1
-                acc[1] += time.perf_counter() - t
-                if items is not None:
-                    with contextlib.suppress(Exception):
-                        acc[2] += int(items(*args, **kwargs))
-
-        setattr(obj, method, timed)
-        self._restore.append((obj, method))
-        return True
-
-    def snapshot(self) -> dict[str, tuple[int, float, int]]:
-        return {k: (int(v[0]), float(v[1]), int(v[2])) for k, v in self.totals.items()}
-
-    @staticmethod
-    def delta(before: Mapping, after: Mapping, wall_s: float) -> dict:
-        out = {}
-        for name, (calls, secs, items) in after.items():
-            c0, s0, i0 = before.get(name, (0, 0.0, 0))
-            calls, secs, items = calls - c0, secs - s0, items - i0
-            out[name] = {"calls": calls, "busy_s": secs, "busy_fraction": secs / wall_s if wall_s > 0 else None,
-                         "ms_per_call": 1e3 * secs / calls if calls else None}
-            if items:
-                out[name]["items"] = items
-                out[name]["items_per_call"] = items / calls if calls else None
-        return out
-
-    def close(self) -> None:
-        for obj, method in reversed(self._restore):
-            with contextlib.suppress(AttributeError):
-                delattr(obj, method)
-        self._restore.clear()
+class StageCounters(Protocol):
+    async def read(self) -> dict[str, StageStats]:
+        """A copy of every stage's counters now, by stage name."""
+        ...
 
 
-def time_synthesizer_stages(synth: "Synthesizer") -> StageTimer:
-    """A StageTimer on the native engine's step and the token2wav runner (whatever exists)."""
-    timer = StageTimer()
-    if not timer.wrap("llm_step", getattr(synth.engine, "runner", None), "step"):
-        log.info("stage timing: this engine has no runner.step; LLM busy time is not measured")
-    t2w = getattr(synth.batcher, "runner", None)
-    if not any(timer.wrap("token2wav_batch", t2w, name, items=lambda jobs, *a, **k: len(jobs))
-               for name in ("run_many", "run_batch")):
-        log.info("stage timing: the token2wav runner has no run_many; its busy time is not measured")
-    return timer
+class SynthesizerStages:
+    """The counters of a Synthesizer in this process (its engine's, where it keeps them, and its
+    token2wav batcher's)."""
+
+    def __init__(self, synth: "Synthesizer"):
+        self.synth = synth
+
+    async def read(self) -> dict[str, StageStats]:
+        stages = [self.synth.engine.stage_stats, self.synth.batcher.stage_stats]
+        return {s.name: s.copy() for s in stages if s is not None}
+
+
+class PrometheusStages:
+    """The counters a server exports on its metrics endpoint, `http://HOST:PORT/metrics`."""
+
+    def __init__(self, url: str, timeout_s: float = 5.0):
+        self.url = url if "://" in url else f"http://{url}/metrics"
+        self.timeout_s = timeout_s
+
+    async def read(self) -> dict[str, StageStats]:
+        return parse_prometheus(await asyncio.to_thread(self._fetch))
+
+    def _fetch(self) -> str:
+        with urllib.request.urlopen(self.url, timeout=self.timeout_s) as r:
+            return r.read().decode("utf-8")
+
+
+def parse_prometheus(text: str) -> dict[str, StageStats]:
+    out: dict[str, StageStats] = {}
+    for family in text_string_to_metric_families(text):
+        field = PROMETHEUS_FIELDS.get(family.name)
+        if field is None:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            stats = out.setdefault(sample.labels["stage"], StageStats(sample.labels["stage"]))
+            setattr(stats, field, float(sample.value) if field == "busy_s" else int(sample.value))
+    return out
+
+
+def stage_delta(before: Mapping[str, StageStats], after: Mapping[str, StageStats], wall_s: float) -> dict:
+    """Per stage: calls, items, busy seconds, busy fraction of `wall_s`, ms per call, items per call."""
+    return {name: s.since(before.get(name), wall_s) for name, s in after.items()}

@@ -3,9 +3,8 @@ one job at a time, in the same run."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -13,6 +12,7 @@ from .metrics import RequestResult, summarize_level
 from .progress import Progress
 
 if TYPE_CHECKING:
+    from ..token2wav_batcher import Token2WavBatcher
     from ..tts import Synthesizer
 
 
@@ -65,18 +65,11 @@ async def _t2w_round(synth: "Synthesizer", batcher, voice, token_lists: Sequence
     return level
 
 
-def _batcher_stats(batcher) -> dict:
-    stats = getattr(batcher, "stats", None)
-    if stats is None:
-        return {}
-    if dataclasses.is_dataclass(stats):
-        stats = dataclasses.asdict(stats)
-    elif not isinstance(stats, Mapping):
-        stats = vars(stats)
-    out = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
-    if out.get("batches"):
-        out["mean_batch"] = out.get("jobs", 0) / out["batches"]
-    return out
+def _batcher_stats(batcher: "Token2WavBatcher") -> dict:
+    st = batcher.stage_stats
+    return {"batches": st.calls, "jobs": st.items, "busy_s": st.busy_s,
+            "mean_batch": st.items / st.calls if st.calls else None,
+            "max_batch_seen": batcher.stats.max_batch_seen, "first_lane_batches": batcher.stats.first_lane_batches}
 
 
 async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int, speaker_id: str, *,

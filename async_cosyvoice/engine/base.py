@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 from ..models.dims import RASParams
+from ..stage_stats import StageStats
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ def length_limits(n_target_text_tokens: int, min_ratio: float = 2.0, max_ratio: 
 @runtime_checkable
 class SpeechTokenEngine(Protocol):
     supports_bistream: bool  # whether generate_bistream works (else it raises Unsupported)
+    # busy-time counters of the engine's step thread (steps, rows, seconds); None when the engine
+    # steps where we cannot time it
+    stage_stats: StageStats | None
 
     async def start(self) -> None: ...
 

@@ -27,6 +27,7 @@ import torch
 from ..errors import InvalidRequest, NotReady
 from ..models.dims import STOP_TOKENS
 from ..models.llm import CosyVoice2LM
+from ..stage_stats import StageStats, timed_call
 from .base import BistreamRequest, EngineStats, GenerationRequest
 from .bistream import BistreamSchedule, UnexpectedStopToken, Verdict
 from .model_runner import ModelRunner, RunnerConfig
@@ -73,7 +74,7 @@ class NativeEngine:
         self._mix_ratio = tuple(model.dims.mix_ratio)
         self._text_vocab = model.dims.qwen.vocab_size
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
-        self.num_steps = 0
+        self.stage_stats = StageStats("llm_step")  # steps, rows (decode + prefill), busy seconds
         self._seqs: dict[str, Sequence] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
@@ -233,14 +234,13 @@ class NativeEngine:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            try:
-                sampled = await loop.run_in_executor(self._executor, self.runner.step, plan)
-            except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving the rest
-                log.exception("speech-token engine step failed")
+            sampled, seconds, ok = await loop.run_in_executor(self._executor, timed_call, self.runner.step, plan)
+            self.stage_stats.record(seconds, len(plan.sequences), ok)
+            if not ok:  # fail the step's requests, keep serving the rest
+                log.error("speech-token engine step failed", exc_info=sampled)
                 for seq in plan.sequences:
-                    self._finish(seq, e)
+                    self._finish(seq, sampled)
                 continue
-            self.num_steps += 1
             self._commit(plan, sampled)
 
     def _commit(self, plan: StepPlan, sampled: list[tuple[Sequence, int]]) -> None:

@@ -110,6 +110,7 @@ class VLLMEngine:
     three embedding tables are read from `model_dir`'s llm.pt (the backbone is never allocated)."""
 
     supports_bistream = True  # through vLLM's streaming input (generate_bistream)
+    stage_stats = None  # vLLM's engine core runs its steps out of our sight (its own process)
 
     def __init__(self, lm: "CosyVoice2LM | None", model_dir: "ModelDir | str | Path",
                  args: VLLMEngineArgs = VLLMEngineArgs()):

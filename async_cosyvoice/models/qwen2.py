@@ -1,7 +1,11 @@
 """Qwen2 decoder stack (the CosyVoice2 LM backbone) with an explicit slot KV cache.
 
 Parameter names match HF `Qwen2Model` (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...), so
-the official weights load with only the `llm.model.model.` prefix stripped.
+the official weights load with only the `llm.model.model.` prefix stripped. Inside, q/k/v and
+gate/up are packed into one GEMM each (`qkv_proj`, `gate_up_proj`, as nano-vllm and vLLM do): a
+decode step is launch-bound, and one wide GEMM is cheaper than three narrow ones. Loading packs
+the checkpoint's separate tensors and `state_dict()` splits them again, so the names a checkpoint
+sees never change (`PackedLinear`, `keep_checkpoint_names`).
 
 The cache is driven by the caller: every forward gets `positions` [B, T] and `slots` [B]; the
 k/v of token (b, t) are written at (slots[b], positions[b, t]) and the token attends to the cache
@@ -96,15 +100,56 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+class PackedLinear(nn.Linear):
+    """Several projections of one input as one GEMM; `forward` returns the parts' outputs.
+
+    `parts` maps each checkpoint name (`q_proj`, `k_proj`, ...) to its output width, in packing
+    order. The parent module calls `keep_checkpoint_names(self, name)` so that its state dict
+    shows the parts as the separate sibling linears of the checkpoint.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        return super().forward(x).split(list(self.parts.values()), dim=-1)
+
+    def tensor_names(self) -> list[str]:
+        return ["weight"] + (["bias"] if self.bias is not None else [])
+
+
+def keep_checkpoint_names(parent: nn.Module, packed: str) -> None:
+    """`parent.load_state_dict` concatenates `{part}.weight` (and `.bias`) of the PackedLinear
+    child `packed` into its rows; `parent.state_dict()` slices them out again. A state dict holding
+    only some of the parts is left alone, so strict loading reports it as it stands. The hooks sit
+    on the parent: its own load checks for unexpected keys before any child's hook runs."""
+    def pack(owner: nn.Module, state_dict, prefix, *args) -> None:
+        module: PackedLinear = getattr(owner, packed)
+        for tensor in module.tensor_names():
+            keys = [f"{prefix}{part}.{tensor}" for part in module.parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{packed}.{tensor}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    def split(owner: nn.Module, state_dict, prefix, local_metadata) -> None:
+        module: PackedLinear = getattr(owner, packed)
+        for tensor in module.tensor_names():
+            pieces = state_dict.pop(f"{prefix}{packed}.{tensor}").split(list(module.parts.values()))
+            for part, piece in zip(module.parts, pieces):
+                state_dict[f"{prefix}{part}.{tensor}"] = piece
+
+    parent.register_load_state_dict_pre_hook(pack)
+    parent.register_state_dict_post_hook(split)
+
+
 class Attention(nn.Module):
     def __init__(self, dims: Qwen2Dims):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
-        h = dims.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        h, q, kv = dims.hidden_size, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(h, {"q_proj": q, "k_proj": kv, "v_proj": kv}, bias=True)
+        self.o_proj = nn.Linear(q, h, bias=False)
+        keep_checkpoint_names(self, "qkv_proj")
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
                 cache: tuple[Tensor, Tensor] | None = None, write: tuple[Tensor, Tensor] | None = None,
@@ -113,9 +158,10 @@ class Attention(nn.Module):
         `write` = (slot [B, T], position [B, T]) and read back as the first `read[1]` positions
         of slots `read[0]` [B]; without, the keys are the T tokens of x."""
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = apply_rope(q.reshape(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.reshape(B, T, self.n_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(B, T, self.n_kv_heads, self.head_dim)
         if cache is None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         else:
@@ -139,12 +185,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dims: Qwen2Dims):
         super().__init__()
-        self.gate_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(dims.hidden_size, dims.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+        i = dims.intermediate_size
+        self.gate_up_proj = PackedLinear(dims.hidden_size, {"gate_proj": i, "up_proj": i}, bias=False)
+        self.down_proj = nn.Linear(i, dims.hidden_size, bias=False)
+        keep_checkpoint_names(self, "gate_up_proj")
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,258 @@
+"""The open loop: requests arrive as a Poisson process at a given rate, whatever the server's state
+(users do not wait for each other), and the capacity search built on it.
+
+A level at rate R for D seconds draws exponential inter-arrival gaps (mean 1/R, seeded: the same
+arrival times every run) and sends request i at its time; requests in flight are not limited.
+After D seconds no request is sent and the level waits for those in flight (at most
+`drain_timeout_s`; a request still running then is cancelled and counted as an error). Per
+request it records what the closed loop records (first chunk, chunk arrivals, underruns, stall);
+the level adds the offered and achieved arrival rates, how many requests were in flight (time
+average and maximum), and the fraction of requests that played without an underrun (a failed
+request did not play: it counts against).
+
+Capacity: the largest rate at which p99 first chunk <= `p99_first_chunk_s` and at least
+`min_underrun_free` of the requests play without an underrun (and none fails). The search doubles
+the rate from `start_rate` until a level fails (or `max_rate`), then bisects between the last
+passing and the first failing rate `refine` times. It reports that rate and the streams in flight
+there (mean and max): for 10-s requests, "N concurrent 10-s streams".
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .metrics import RequestResult, summarize_level
+from .progress import Progress
+from .runner import run_request
+from .stages import StageCounters, stage_delta
+from .targets import Target
+from .workload import Workload
+
+
+def poisson_arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
+    """Arrival times in [0, duration_s) of a Poisson process of `rate` per second."""
+    if not rate > 0 or not duration_s > 0:
+        raise ValueError(f"rate and duration must be > 0, got {rate} and {duration_s}")
+    rng = np.random.default_rng(seed)
+    times, t = [], 0.0
+    while True:
+        t += float(rng.exponential(1.0 / rate))
+        if t >= duration_s:
+            return times
+        times.append(t)
+
+
+class _InFlight:
+    """Requests in flight over time: the maximum and the time average."""
+
+    def __init__(self, t0: float):
+        self.t0 = self.last = t0
+        self.n = self.max = 0
+        self.area = 0.0
+
+    def change(self, delta: int) -> None:
+        now = time.monotonic()
+        self.area += self.n * (now - self.last)
+        self.last = now
+        self.n += delta
+        self.max = max(self.max, self.n)
+
+    def mean(self, until: float) -> float:
+        span = until - self.t0
+        return (self.area + self.n * (until - self.last)) / span if span > 0 else 0.0
+
+
+async def run_open_loop(target: Target, workload: Workload, rate: float, duration_s: float, *,
+                        progress: Progress | None = None, stages: StageCounters | None = None,
+                        drain_timeout_s: float = 120.0, detail: bool = True) -> dict:
+    """One open-loop level; returns `summarize_level`'s dict plus the open-loop fields."""
+    arrivals = poisson_arrivals(rate, duration_s, workload.seed)
+    results: list[RequestResult] = []
+    if progress:
+        progress.start(f"open loop {rate:g}/s x {duration_s:g} s", len(arrivals))
+    before = await stages.read() if stages else None
+    t0 = time.monotonic()
+    flight = _InFlight(t0)
+
+    async def one(i: int) -> None:
+        flight.change(+1)
+        try:
+            r = await run_request(target, workload, i, t0)
+        finally:
+            flight.change(-1)
+        results.append(r)
+        if progress:
+            progress.update(r)
+
+    tasks: list[asyncio.Task] = []
+    for i, at in enumerate(arrivals):
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    sent_s = time.monotonic() - t0
+    done, unfinished = await asyncio.wait(tasks, timeout=drain_timeout_s) if tasks else (set(), set())
+    for task in unfinished:
+        task.cancel()
+    await asyncio.gather(*unfinished, return_exceptions=True)
+    wall = time.monotonic() - t0
+    sent = {r.index for r in results}
+    for i in range(len(arrivals)):  # cancelled at the drain timeout
+        if i not in sent:
+            results.append(RequestResult(index=i, seed=workload.seed + i, start_s=arrivals[i], total_s=wall - arrivals[i],
+                                         error=f"unfinished after the {drain_timeout_s:g} s drain"))
+    results.sort(key=lambda r: r.index)
+    busy = stage_delta(before, await stages.read(), wall) if stages else None
+    level = summarize_level(flight.max, results, wall, stream=workload.stream, stages=busy, detail=detail)
+    n = len(results)
+    clean = sum(1 for r in results if r.ok and r.underrun_stats[0] == 0)
+    level.update({
+        "mode": "open_loop",
+        "rate": rate,
+        "duration_s": duration_s,
+        "achieved_rate": n / duration_s,
+        "send_span_s": sent_s,
+        "in_flight": {"mean": flight.mean(t0 + wall), "max": flight.max},
+        "underrun_free_fraction": clean / n if n else None,
+    })
+    if progress:
+        f = level["first_chunk_s"]
+        progress.end(f"first p99 {_ms(f['p99'])} ms  underrun-free {_pct(level['underrun_free_fraction'])}  "
+                     f"in flight {level['in_flight']['mean']:.1f} (max {flight.max})")
+    return level
+
+
+@dataclass(frozen=True)
+class CapacityCriteria:
+    p99_first_chunk_s: float = 0.300
+    min_underrun_free: float = 0.99
+
+    def check(self, level: dict) -> tuple[bool, list[str]]:
+        """(passes, reasons it does not)."""
+        why = []
+        if level["requests"] == 0:
+            why.append("no request was sent (raise the duration or the rate)")
+        if level["errors"]:
+            why.append(f"{level['errors']} requests failed")
+        p99 = level["first_chunk_s"]["p99"]
+        if p99 is None or p99 > self.p99_first_chunk_s:
+            why.append(f"first chunk p99 {_ms(p99)} ms > {1e3 * self.p99_first_chunk_s:g} ms")
+        free = level["underrun_free_fraction"]
+        if free is None or free < self.min_underrun_free:
+            why.append(f"underrun-free {_pct(free)} < {_pct(self.min_underrun_free)}")
+        return not why, why
+
+    def to_json(self) -> dict:
+        return {"p99_first_chunk_s": self.p99_first_chunk_s, "min_underrun_free": self.min_underrun_free}
+
+
+async def capacity_search(target: Target, workload: Workload, *, start_rate: float, duration_s: float,
+                          max_rate: float = math.inf, refine: int = 2,
+                          criteria: CapacityCriteria = CapacityCriteria(), progress: Progress | None = None,
+                          stages: StageCounters | None = None, drain_timeout_s: float = 120.0,
+                          max_trials: int = 12, detail: bool = False, stop_at: float | None = None) -> dict:
+    """The largest passing arrival rate (see the module docstring) and every trial run. With
+    `stop_at` (monotonic seconds) no trial starts that could not finish its arrivals and a drain
+    as long again by then; `stopped_early` says so."""
+    if not start_rate > 0:
+        raise ValueError(f"start_rate must be > 0, got {start_rate}")
+    trials: list[dict] = []
+    stopped = False
+
+    async def trial(rate: float) -> bool | None:
+        nonlocal stopped
+        if stop_at is not None and time.monotonic() + 2 * duration_s > stop_at:
+            stopped = True
+            return None
+        level = await run_open_loop(target, workload, rate, duration_s, progress=progress, stages=stages,
+                                    drain_timeout_s=drain_timeout_s, detail=detail)
+        ok, why = criteria.check(level)
+        level["capacity_check"] = {"passed": ok, "reasons": why}
+        trials.append(level)
+        return ok
+
+    best, worst = None, None  # highest passing, lowest failing rate
+    rate = min(start_rate, max_rate)
+    while len(trials) < max_trials and not stopped:
+        passed = await trial(rate)
+        if passed:
+            best = rate
+            if rate >= max_rate:
+                break
+            rate = min(2 * rate, max_rate)
+        elif passed is False:
+            worst = rate
+            break
+    if best is None and worst is not None:  # even the start failed: halve down (a few times)
+        rate = worst / 2
+        while len(trials) < max_trials and best is None and not stopped and rate >= start_rate / 8:
+            passed = await trial(rate)
+            if passed:
+                best = rate
+            elif passed is False:
+                worst, rate = rate, rate / 2
+    for _ in range(refine):
+        if best is None or worst is None or len(trials) >= max_trials or stopped:
+            break
+        mid = (best + worst) / 2
+        passed = await trial(mid)
+        if passed:
+            best = mid
+        elif passed is False:
+            worst = mid
+    at = next((lv for lv in trials if lv["rate"] == best), None)
+    return {
+        "criteria": criteria.to_json(),
+        "duration_s": duration_s,
+        "capacity_rate": best,
+        "first_failing_rate": worst,
+        "streams_in_flight": at and at["in_flight"],
+        "request_audio_s": at and at["audio_s_per_request"]["avg"],
+        "trials": sorted(trials, key=lambda lv: lv["rate"]),
+        "stopped_early": stopped,
+    }
+
+
+def format_open_loop(levels: list[dict]) -> str:
+    head = (f"{'rate/s':>7} {'sent':>5} {'flight':>6} {'max':>4} {'first p50':>9} {'p90':>8} {'p99':>8} "
+            f"{'late':>5} {'req late':>8} {'clean':>6} {'max stall':>9} {'err':>4} {'pass':>5}")
+    lines = [head, "-" * len(head)]
+    for lv in levels:
+        f, u = lv["first_chunk_s"], lv["underruns"]
+        check = lv.get("capacity_check")
+        verdict = "" if check is None else ("yes" if check["passed"] else "no")
+        lines.append(f"{lv['rate']:7.3g} {lv['requests']:5d} {lv['in_flight']['mean']:6.1f} "
+                     f"{lv['in_flight']['max']:4d} {_ms(f['p50']):>9} {_ms(f['p90']):>8} {_ms(f['p99']):>8} "
+                     f"{u['late_chunks']:5d} {u['requests_with_underruns']:8d} "
+                     f"{_pct(lv['underrun_free_fraction']):>6} {_ms(u['stall_s']['max']):>9} {lv['errors']:4d} "
+                     f"{verdict:>5}")
+    lines.append("open loop (Poisson arrivals); latencies in ms; flight = requests in flight (time average); "
+                 "clean = requests that played without an underrun")
+    return "\n".join(lines)
+
+
+def format_capacity(cap: dict) -> str:
+    c = cap["criteria"]
+    rule = (f"p99 first chunk <= {1e3 * c['p99_first_chunk_s']:g} ms and >= {_pct(c['min_underrun_free'])} "
+            f"of requests without an underrun")
+    if cap["capacity_rate"] is None:
+        if cap["first_failing_rate"] is None:
+            return f"capacity ({rule}): not measured (no trial ran)"
+        return f"capacity ({rule}): not reached at any rate tried (lowest failing {cap['first_failing_rate']:g}/s)"
+    fl = cap["streams_in_flight"]
+    audio = cap["request_audio_s"]
+    return (f"capacity ({rule}): {cap['capacity_rate']:.3g} requests/s = {fl['mean']:.1f} concurrent streams "
+            f"(max {fl['max']}) of {audio:.1f} s audio; first failing rate "
+            + (f"{cap['first_failing_rate']:.3g}/s" if cap["first_failing_rate"] is not None else "none tried"))
+
+
+def _ms(x: float | None) -> str:
+    return f"{1e3 * x:.1f}" if x is not None else "-"
+
+
+def _pct(x: float | None) -> str:
+    return f"{100 * x:.1f}%" if x is not None else "-"

@@ -1,0 +1,423 @@
+"""The whole H200 measurement THROUGH THE gRPC SERVER, in one run: what a user of
+`async-cosyvoice serve` gets, measured by a client in another process.
+
+    python benchmarks/h200_server_bench.py                                   # the H200 run (cuda)
+    python benchmarks/h200_server_bench.py --baseline-tree /tmp/before       # + LLM ms/step before/after
+    python benchmarks/h200_server_bench.py --quick                           # CPU smoke test, tiny model
+
+Needs our package importable (PYTHONPATH=. from the repo root) and its runtime dependencies;
+matplotlib is optional (without it the plots are skipped).
+
+Steps (each timed; the results say how long):
+1. LLM decode, optional (`--llm-batches`, default 1,32,128 on cuda): `benchmarks/bench_llm_engine.py
+   --full-size` in this tree and, with `--baseline-tree DIR`, in that one (e.g. the code before a
+   change), same machine, same call: ms per decode step at each batch size, graphs only (and
+   with torch.compile when `--llm-compile`);
+2. `make_random_model(preset)` (full-size CosyVoice2-0.5B by default) into /tmp;
+3. the server: `python -m async_cosyvoice.cli serve --config C` in a child process, C being
+   `--config` (default configs/gpu.yaml) with the model directory, a scratch speaker store and
+   free local ports filled in; start-up time = spawn until health turns SERVING;
+4. a speaker registered over gRPC from a generated 6 s prompt (150 prompt tokens); the first
+   request after SERVING (cold) is timed on its own;
+5. warm-up: one untimed round at the largest level with short requests;
+6. the closed-loop sweep 1, 4, 16, 32, 64 streams of 250 forced tokens (10 s of audio),
+   requests per level 4, 8, 32, 64, 128, each level stopped after --max-level-seconds;
+7. the open-loop capacity search: Poisson arrivals of the same 10-s requests, doubling the rate
+   from --start-rate, then bisecting, each trial --duration seconds of arrivals; capacity = the
+   largest rate with p99 first chunk <= 300 ms and >= 99 % of requests free of underruns;
+8. the server is stopped (SIGINT, then SIGKILL after 30 s).
+Every level reports the server's own stage counters (LLM steps, token2wav batches: busy
+seconds, calls, items) read from its Prometheus endpoint before and after.
+A wall-clock budget (--budget-s, default 560 s) keeps the run inside one 10-minute device call:
+phases that would start too late are skipped and listed under "skipped"; a failing phase is
+recorded and the next one runs. Writes into --out (default $OUT or runs/h200-server):
+server_results.json, server_table.txt, server-latency.png, server-throughput.png,
+server-first_chunk_hist.png, server-open_loop.png, server_log_tail.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import yaml
+
+from async_cosyvoice import bench
+from async_cosyvoice.config import Config
+from async_cosyvoice.tools.make_random_model import make_random_model
+
+REPO = Path(__file__).resolve().parents[1]
+FULL = dict(levels=[1, 4, 16, 32, 64], requests={1: 4, 4: 8, 16: 32, 32: 64, 64: 128}, tokens=250,
+            prompt_seconds=6.0, start_rate=1.0, duration_s=20.0, max_rate=32.0, refine=2, max_level_seconds=25.0,
+            llm_batches=[1, 32, 128], ready_timeout_s=300.0)
+QUICK = dict(levels=[1, 2], requests={1: 2, 2: 2}, tokens=20, prompt_seconds=1.0, start_rate=1.0, duration_s=2.0,
+             max_rate=2.0, refine=0, max_level_seconds=10.0, llm_batches=[], ready_timeout_s=300.0)
+# phases that must still fit after a phase starts (seconds), so the headline numbers come first
+RESERVE = {"llm": 330.0, "server": 200.0, "sweep": 90.0, "capacity": 10.0}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=REPO / "configs" / "gpu.yaml")
+    ap.add_argument("--preset", default="cosyvoice2-0.5b", help="make_random_model preset")
+    ap.add_argument("--model-dir", type=Path, help="use this model directory instead of generating one")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/h200-server")))
+    ap.add_argument("--baseline-tree", type=Path, help="another checkout: LLM ms/step there too (before/after)")
+    ap.add_argument("--llm-batches", help="comma list of LLM decode batch sizes (default 1,32,128; quick: none)")
+    ap.add_argument("--llm-compile", action="store_true", help="also time the LLM with torch.compile")
+    ap.add_argument("--levels", help="closed-loop levels (default 1,4,16,32,64)")
+    ap.add_argument("--tokens", type=int, help="forced tokens per request (default 250)")
+    ap.add_argument("--start-rate", type=float)
+    ap.add_argument("--duration", type=float, help="seconds of arrivals per capacity trial (default 20)")
+    ap.add_argument("--max-level-seconds", type=float)
+    ap.add_argument("--budget-s", type=float, default=560.0)
+    ap.add_argument("--skip", default="", help="comma list of phases to skip: llm,sweep,capacity")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, small workload")
+    args = ap.parse_args(argv)
+    plan = dict(QUICK if args.quick else FULL)
+    if args.quick and args.preset == "cosyvoice2-0.5b":
+        args.preset = "tiny"
+    for key, value in (("tokens", args.tokens), ("start_rate", args.start_rate), ("duration_s", args.duration),
+                       ("max_level_seconds", args.max_level_seconds)):
+        if value is not None:
+            plan[key] = value
+    if args.levels:
+        plan["levels"] = bench.parse_int_list(args.levels)
+        plan["requests"] = {c: max(4, 2 * c) for c in plan["levels"]}
+    if args.llm_batches is not None:
+        plan["llm_batches"] = bench.parse_int_list(args.llm_batches) if args.llm_batches else []
+    return args, plan
+
+
+def log(msg: str) -> None:
+    print(f"[server-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_config(args, model_dir: Path, speakers_dir: Path) -> Config:
+    """--config with the model, a scratch speaker store and free local ports; CPU settings for --quick."""
+    data = yaml.safe_load(args.config.read_text()) or {}
+    data.setdefault("model", {})["dir"] = str(model_dir)
+    data.setdefault("speakers", {})["dir"] = str(speakers_dir)
+    data["server"] = {**data.get("server", {}), "host": "127.0.0.1", "port": free_port(), "metrics_port": free_port()}
+    if args.quick:
+        data["model"].update(device="cpu", llm_dtype="float32", flow_dtype="float32")
+        data.setdefault("engine", {}).update(cuda_graphs=False, compile=False, max_num_seqs=8, max_model_len=512)
+        data.setdefault("token2wav", {}).update(estimator="torch")
+    return Config.model_validate(data)
+
+
+# -- 1. LLM decode, this tree and the baseline ------------------------------------------------
+
+_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
+
+
+def llm_steps(tree: Path, batches: list[int], compile: bool, timeout_s: float) -> dict:
+    """bench_llm_engine.py --full-size in `tree` (its own code on PYTHONPATH): ms/step per batch."""
+    cmd = [sys.executable, str(tree / "benchmarks" / "bench_llm_engine.py"), "--device", "cuda", "--dtype", "bfloat16",
+           "--full-size", "--batch-sizes", *map(str, batches), "--max-model-len", "1024"] + (["--compile"] if compile else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+    t = time.monotonic()
+    p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+    rows = {}
+    for line in p.stdout.splitlines():
+        m = _ROW.match(line)
+        if m:
+            b, prefill, step_ms, decode_tps, total_tps = m.groups()
+            rows[int(b)] = {"prefill_s": float(prefill), "step_ms": float(step_ms), "decode_tok_s": float(decode_tps)}
+    out = {"tree": str(tree), "compile": compile, "wall_s": time.monotonic() - t, "returncode": p.returncode,
+           "by_batch": rows, "stdout": p.stdout[-3000:]}
+    if p.returncode:
+        out["stderr"] = p.stderr[-3000:]
+    return out
+
+
+def format_llm(llm: dict) -> str:
+    """ms per step by batch for every run, and after / before where both ran."""
+    names = list(llm)
+    pairs = [(n, n.replace("after", "before")) for n in names if n.startswith("after") and
+             n.replace("after", "before") in llm]
+    head = f"{'batch':>6}" + "".join(f"{n:>18}" for n in names) + "".join(f"{a + ' / before':>24}" for a, _ in pairs)
+    lines = ["LLM decode, ms per step (bench_llm_engine.py --full-size, bf16, CUDA graphs):", head]
+    for b in sorted({b for run in llm.values() for b in run["by_batch"]}):
+        ms = {n: llm[n]["by_batch"].get(b, {}).get("step_ms") for n in names}
+        row = f"{b:>6}" + "".join(f"{ms[n]:18.2f}" if ms[n] else f"{'-':>18}" for n in names)
+        row += "".join(f"{ms[a] / ms[o]:24.3f}" if ms[a] and ms[o] else f"{'-':>24}" for a, o in pairs)
+        lines.append(row)
+    return "\n".join(lines)
+
+
+# -- 3-8. the server -----------------------------------------------------------------------
+
+class ServerProcess:
+    """`python -m async_cosyvoice.cli serve --config <file>` in a child process."""
+
+    def __init__(self, config: Config, workdir: Path, log_path: Path):
+        self.config = config
+        self.config_path = workdir / "server.yaml"
+        self.config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.config.server.port}"
+
+    @property
+    def metrics(self) -> str:
+        return f"127.0.0.1:{self.config.server.metrics_port}"
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "async_cosyvoice.cli", "serve", "--config",
+                                      str(self.config_path)], stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=REPO)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def log_tail(self, n: int = 60) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+
+async def measure_server(args, plan: dict, server: ServerProcess, results: dict, phases: dict, deadline: float) -> None:
+    from grpc_async.client import CosyVoiceClient
+
+    progress = bench.Progress()
+    skip = {s for s in args.skip.split(",") if s}
+    skipped = results.setdefault("skipped", [])
+    errors = results.setdefault("phase_errors", {})
+
+    def time_left(phase: str) -> float:
+        return deadline - time.monotonic() - (0.0 if args.quick else RESERVE.get(phase, 0.0))
+
+    async def run_phase(name: str, coro_fn) -> None:
+        if name in skip:
+            skipped.append(name)
+            return
+        if time_left(name) <= 0:
+            skipped.append(name)
+            log(f"out of time budget: skipping {name}")
+            return
+        t = time.monotonic()
+        try:
+            await coro_fn()
+        except Exception as e:  # keep what the other phases measure
+            errors[name] = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            log(f"{name} failed: {type(e).__name__}: {e}")
+        phases[f"{name}_s"] = time.monotonic() - t
+
+    stages = bench.PrometheusStages(server.metrics)
+    async with CosyVoiceClient(server.target) as client:
+        await client.wait_ready(timeout=plan["ready_timeout_s"])
+        phases["server_start_s"] = time.monotonic() - server.started
+        log(f"server SERVING {phases['server_start_s']:.1f} s after spawn")
+        speaker = bench.SpeakerSpec(prompt_seconds=plan["prompt_seconds"], seed=args.seed)
+        results["meta"]["prompt_seconds"] = await bench.register_grpc(client, speaker)
+        target = bench.GrpcTarget(client)
+        workload = bench.Workload(tokens=plan["tokens"], seed=args.seed, speaker_id=speaker.speaker_id)
+        results["meta"]["workload"] = workload.to_json()
+
+        cold = await bench.run_level(target, workload, 1, 1, detail=True, label="first request after SERVING")
+        results["first_request"] = cold
+
+        async def warm():
+            phases["warmup_s"] = await bench.warm_up(target, workload, max(plan["levels"]), progress)
+
+        async def sweep():
+            results["levels"] = []
+            counts = bench.requests_per_level(plan["levels"], plan["requests"])
+            for c in plan["levels"]:
+                budget = time_left("sweep")
+                if budget <= 1.0:
+                    skipped.append(f"sweep level {c}")
+                    continue
+                results["levels"].append(await bench.run_level(
+                    target, workload, c, counts[c], progress=progress, stages=stages,
+                    max_seconds=min(plan["max_level_seconds"], budget)))
+
+        async def capacity():
+            results["capacity"] = await bench.capacity_search(
+                target, workload, start_rate=plan["start_rate"], duration_s=plan["duration_s"],
+                max_rate=plan["max_rate"], refine=plan["refine"], progress=progress, stages=stages, detail=True,
+                drain_timeout_s=max(30.0, 4 * plan["tokens"] * bench.SECONDS_PER_TOKEN), stop_at=deadline - 5.0)
+
+        await run_phase("warmup", warm)
+        await run_phase("sweep", sweep)
+        await run_phase("capacity", capacity)
+
+
+def summary_rows(results: dict) -> list[dict]:
+    """The issue's table: what was measured for each target."""
+    by_c = {lv["concurrency"]: lv for lv in results.get("levels", [])}
+    cap = results.get("capacity") or {}
+    c1, c32, c64 = by_c.get(1), by_c.get(32), by_c.get(64)
+    cold = results.get("first_request")
+    warm_p50 = c1 and c1["first_chunk_s"]["p50"]
+    cold_first = cold and cold["first_chunk_s"]["max"]
+    return [
+        {"metric": "first chunk p50, 1 stream (ms)", "value": c1 and 1e3 * c1["first_chunk_s"]["p50"], "target": 75},
+        {"metric": "first chunk p99, 32 streams (ms)", "value": c32 and 1e3 * c32["first_chunk_s"]["p99"],
+         "target": 250},
+        {"metric": "late chunks at 32 streams", "value": c32 and c32["underruns"]["late_chunks"], "target": 0},
+        {"metric": "late chunks at 64 streams", "value": c64 and c64["underruns"]["late_chunks"], "target": 0},
+        {"metric": "capacity: arrivals/s (p99 <= 300 ms, >= 99% clean)", "value": cap.get("capacity_rate"),
+         "target": None},
+        {"metric": "capacity: concurrent streams (mean in flight)",
+         "value": (cap.get("streams_in_flight") or {}).get("mean"), "target": 64},
+        {"metric": "first request after SERVING / warm p50",
+         "value": cold_first / warm_p50 if cold_first and warm_p50 else None, "target": 1.2},
+        {"metric": "server start to SERVING (s)", "value": results["meta"]["phases"].get("server_start_s"),
+         "target": 30},
+    ]
+
+
+def format_summary(rows: list[dict]) -> str:
+    out = ["through the gRPC server:"]
+    for r in rows:
+        v = r["value"]
+        shown = "not measured" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+        goal = "" if r["target"] is None else f"   (target {r['target']})"
+        out.append(f"  {r['metric']}: {shown}{goal}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    args, plan = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_all = time.monotonic()
+    deadline = t_all + args.budget_s
+    phases: dict = {}
+    results: dict = {"title": "async_cosyvoice through gRPC", "meta": {
+        "script": "benchmarks/h200_server_bench.py", "argv": sys.argv[1:] if argv is None else list(argv),
+        "quick": args.quick, "plan": {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
+                                       for k, v in plan.items()},
+        "environment": bench.environment("cpu" if args.quick else "cuda"), "phases": phases}}
+    gpu = results["meta"]["environment"].get("gpu")
+    if gpu:
+        results["title"] = f"async_cosyvoice on {gpu}, through gRPC"
+    skip = {s for s in args.skip.split(",") if s}
+
+    if plan["llm_batches"] and "llm" not in skip:
+        t = time.monotonic()
+        llm: dict = {}
+        trees = [("after", REPO)] + ([("before", args.baseline_tree)] if args.baseline_tree else [])
+        for compiled in ([False, True] if args.llm_compile else [False]):
+            for name, tree in trees:
+                if deadline - time.monotonic() < RESERVE["llm"]:
+                    results.setdefault("skipped", []).append(f"llm {name}{' compiled' if compiled else ''}")
+                    continue
+                key = f"{name}{' +compile' if compiled else ''}"
+                try:
+                    llm[key] = llm_steps(tree, plan["llm_batches"], compiled, timeout_s=150.0)
+                    log(f"LLM {key}: " + ", ".join(f"b{b} {r['step_ms']:.2f} ms"
+                                                   for b, r in llm[key]["by_batch"].items()))
+                except Exception as e:  # a timeout or a missing tree: keep going
+                    results.setdefault("phase_errors", {})[f"llm {key}"] = f"{type(e).__name__}: {e}"
+        results["llm"] = llm
+        phases["llm_s"] = time.monotonic() - t
+
+    t = time.monotonic()
+    model_dir = args.model_dir or (Path(tempfile.gettempdir()) / "async_cosyvoice_bench" / f"{args.preset}-seed{args.seed}")
+    if not args.model_dir:
+        model_dir = make_random_model(args.preset, model_dir, seed=args.seed)
+    phases["model_s"] = time.monotonic() - t
+    log(f"model {model_dir} ready in {phases['model_s']:.1f} s")
+
+    with tempfile.TemporaryDirectory(prefix="server-bench-") as scratch:
+        config = server_config(args, model_dir, Path(scratch) / "spk")
+        results["meta"]["config"] = config.model_dump(mode="json")
+        server = ServerProcess(config, Path(scratch), args.out / "server.log")
+        server.start()
+        try:
+            asyncio.run(measure_server(args, plan, server, results, phases, deadline))
+        except Exception as e:  # e.g. the server never came up: still write what there is
+            results.setdefault("phase_errors", {})["server"] = "".join(
+                traceback.format_exception(type(e), e, e.__traceback__))
+            log(f"failed: {type(e).__name__}: {e}")
+        finally:
+            results["meta"]["server_returncode"] = server.stop()
+            (args.out / "server_log_tail.txt").write_text(server.log_tail(200) + "\n", encoding="utf-8")
+            with contextlib.suppress(OSError):
+                (args.out / "server.log").unlink()  # the tail is kept; the whole log can be large
+    phases["total_s"] = time.monotonic() - t_all
+    results["summary"] = summary_rows(results)
+    path = bench.write_json(results, args.out / "server_results.json")
+    log(f"wrote {path}")
+
+    text = []
+    if results.get("llm"):
+        text += [format_llm(results["llm"]), ""]
+    if results.get("first_request"):
+        fr = results["first_request"]
+        text += [f"first request after SERVING: first chunk {1e3 * (fr['first_chunk_s']['max'] or 0):.1f} ms, "
+                 f"errors {fr['errors']}", ""]
+    if results.get("levels"):
+        text += [f"closed loop, {plan['tokens']} tokens per request ({plan['tokens'] * bench.SECONDS_PER_TOKEN:g} s "
+                 f"of audio), prompt {results['meta'].get('prompt_seconds')} s:", bench.format_table(results["levels"]),
+                 "", _format_stages(results["levels"]), ""]
+    if results.get("capacity"):
+        text += [bench.format_open_loop(results["capacity"]["trials"]), bench.format_capacity(results["capacity"]), ""]
+    if results.get("skipped"):
+        text += ["skipped to stay within --budget-s: " + ", ".join(results["skipped"]), ""]
+    for name, trace in (results.get("phase_errors") or {}).items():
+        text += [f"phase {name} FAILED:", trace.rstrip(), ""]
+    text += [format_summary(results["summary"]), "", "phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())]
+    table = "\n".join(text)
+    print(table)
+    (args.out / "server_table.txt").write_text(table + "\n", encoding="utf-8")
+    for p in bench.write_plots(results, args.out, prefix="server-", targets=None if args.quick else {"300 ms": 300.0}):
+        log(f"wrote {p}")
+    failed = sum(lv["errors"] for lv in results.get("levels", []))
+    return 1 if failed or results.get("phase_errors") else 0
+
+
+def _format_stages(levels: list[dict]) -> str:
+    lines = ["server stages (busy fraction of the level's wall time; ms per call; items per call):",
+             f"{'conc':>5} {'LLM busy':>9} {'ms/step':>8} {'t2w busy':>9} {'ms/batch':>9} {'jobs/batch':>10}"]
+    for lv in levels:
+        st = lv.get("stages") or {}
+        llm, t2w = st.get("llm_step", {}), st.get("token2wav_batch", {})
+
+        def f(d, k, fmt):
+            return fmt.format(d[k]) if d.get(k) is not None else "-"
+        lines.append(f"{lv['concurrency']:5d} {f(llm, 'busy_fraction', '{:9.2f}'):>9} {f(llm, 'ms_per_call', '{:8.1f}'):>8} "
+                     f"{f(t2w, 'busy_fraction', '{:9.2f}'):>9} {f(t2w, 'ms_per_call', '{:9.1f}'):>9} "
+                     f"{f(t2w, 'items_per_call', '{:10.1f}'):>10}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
