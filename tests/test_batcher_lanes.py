@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import next_job_upto
 import torch
 
 from async_cosyvoice.model_dir import build_models, load_model_dir
@@ -55,14 +56,14 @@ def test_first_chunk_jumps_a_queue_of_later_chunks(runner, prompt):
         batcher = Token2WavBatcher(runner, max_batch=2)
         try:
             streams = [new_stream(prompt) for _ in range(N_STREAMS)]
-            await asyncio.gather(*(batcher.submit(s.next_job(TOKENS, False), time.monotonic()) for s in streams))
+            await asyncio.gather(*(batcher.submit(next_job_upto(s, TOKENS, False), time.monotonic()) for s in streams))
             # every stream's second chunk, all overdue (deadline in the past): by deadline alone a
             # new first chunk (due now) would run after all of them
-            later = [asyncio.ensure_future(batcher.submit(s.next_job(TOKENS, False), 0.0)) for s in streams]
+            later = [asyncio.ensure_future(batcher.submit(next_job_upto(s, TOKENS, False), 0.0)) for s in streams]
             await asyncio.wait(later, return_when=asyncio.FIRST_COMPLETED)  # the queue is being served
             queued_before = batcher.pending
             newcomer = new_stream(prompt)
-            samples = await batcher.submit(newcomer.next_job(TOKENS, False), time.monotonic())
+            samples = await batcher.submit(next_job_upto(newcomer, TOKENS, False), time.monotonic())
             await asyncio.gather(*later)
             return batcher, newcomer, samples, queued_before
         finally:
@@ -96,10 +97,10 @@ def test_first_lane_does_not_starve_playing_streams(runner, prompt):
         batcher = Token2WavBatcher(runner, max_batch=1)
         try:
             playing = new_stream(prompt)
-            await batcher.submit(playing.next_job(TOKENS, False), time.monotonic())
+            await batcher.submit(next_job_upto(playing, TOKENS, False), time.monotonic())
             newcomers = [new_stream(prompt) for _ in range(4)]
-            jobs = [batcher.submit(playing.next_job(TOKENS, False), 0.0)]
-            jobs += [batcher.submit(s.next_job(TOKENS, False), time.monotonic()) for s in newcomers]
+            jobs = [batcher.submit(next_job_upto(playing, TOKENS, False), 0.0)]
+            jobs += [batcher.submit(next_job_upto(s, TOKENS, False), time.monotonic()) for s in newcomers]
             await asyncio.gather(*jobs)
             return batcher, playing
         finally:
@@ -121,7 +122,7 @@ def test_max_batch_tokens_bounds_each_batch(runner, prompt):
         batcher = Token2WavBatcher(runner, max_batch=8, max_batch_tokens=budget)
         try:
             streams = [new_stream(prompt) for _ in range(5)]
-            await asyncio.gather(*(batcher.submit(s.next_job(TOKENS, False), time.monotonic()) for s in streams))
+            await asyncio.gather(*(batcher.submit(next_job_upto(s, TOKENS, False), time.monotonic()) for s in streams))
             return batcher
         finally:
             await batcher.close()
