@@ -117,8 +117,14 @@ class Flow(nn.Module):
 
         mel, steps = self.decoder.forward_cached(mu, mask, spks, cond, g2,
                                                  [None if s is None else s.steps for s in states])
-        new = [FlowState(g.keep[b], tuple(cursor.out[b]), tuple(tuple(e) for e in steps[b]))
-               if g.keep[b] != g.start[b] else states[b] for b in range(g.B)]
+        new = []
+        for b, old in enumerate(states):
+            kept = g2.keep[b] - g2.start[b]
+            if kept == 0:
+                new.append(old)
+                continue
+            mel_segments = (() if old is None else old.mel) + (mel[b:b + 1, :, :kept].clone(),)
+            new.append(FlowState(g.keep[b], tuple(cursor.out[b]), tuple(tuple(e) for e in steps[b]), mel_segments))
         return mel, new
 
     @torch.inference_mode()

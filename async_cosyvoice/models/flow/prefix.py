@@ -134,9 +134,10 @@ class FlowState:
     tokens: int
     encoder: tuple[Entry, ...]
     steps: tuple[tuple[Entry, ...], ...]  # the estimator's entries at each CFM step
+    mel: tuple[Tensor, ...]  # the flow output (1, 80, n) of frames [0, ratio·tokens), in segments
 
     def tensors(self) -> list[Tensor]:
-        out = []
+        out = list(self.mel)
         for entry in (*self.encoder, *(e for step in self.steps for e in step)):
             if isinstance(entry, Tensor):
                 out.append(entry)

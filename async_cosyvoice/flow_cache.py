@@ -1,0 +1,115 @@
+"""The exact flow state cache: which frames a streaming chunk computes, and registered speakers'
+prompt prefixes kept on the device.
+
+A streaming chunk renders prompt + target tokens [0, end) with chunked attention (`end` excludes
+the pre_lookahead_len look-ahead tokens). Its flow state up to any multiple of the encoder chunk
+(25 tokens) at or before `end` is the same on every later streaming call of that stream
+(models/flow/prefix.py), so each call:
+
+- starts from the stream's cached state (`stream.flow_state`, tokens [0, start)), or from its
+  speaker's prompt prefix, or from nothing;
+- computes tokens [start, end) only;
+- keeps the state up to keep = the last chunk boundary at or before `end` (capped by
+  `max_tokens`).
+
+A speaker prefix is the state of the prompt's complete chunks that lie wholly before its last
+pre_lookahead_len tokens (keep = floor((P − 3) / 25) · 25): the pre-lookahead conv of a token
+reaches 3 tokens ahead, so a chunk any closer to the prompt's end depends on the target's first
+tokens. It depends only on the prompt (tokens, mel, x-vector), so it is computed once per
+registered speaker (`prompt_key`) and shared read-only by every stream of that speaker.
+
+The final call of a stream keeps upstream's full attention, so it uses no cache (and drops it).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .models.flow.prefix import FlowState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FlowState", "SpeakerPrefixCache", "CacheStats", "chunk_floor", "speaker_prefix_tokens"]
+
+
+def chunk_floor(tokens: int, chunk: int) -> int:
+    return tokens // chunk * chunk
+
+
+def speaker_prefix_tokens(n_prompt_tokens: int, chunk: int, lookahead: int) -> int:
+    """Prompt tokens whose state does not depend on the target: complete chunks before the last
+    `lookahead` prompt tokens."""
+    return chunk_floor(max(0, n_prompt_tokens - lookahead), chunk)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    too_large: int = 0   # prefixes larger than the whole budget: recomputed by each stream
+    bytes: int = 0
+    entries: int = 0
+
+
+class SpeakerPrefixCache:
+    """LRU of speaker prompt prefixes (FlowState on the flow's device) within a byte budget.
+
+    Past the budget the least recently used speakers are dropped; their next stream recomputes
+    the prefix (exact either way). `budget_bytes` 0 disables the cache. Thread-safe (the runner
+    calls it from its device thread; stats may be read from anywhere).
+    """
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self.stats = CacheStats()
+        self._items: OrderedDict[str, tuple[FlowState, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> FlowState | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.stats.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.stats.hits += 1
+            return item[0]
+
+    def put(self, key: str, state: FlowState) -> bool:
+        """Keep `state` for `key` (evicting older speakers as needed); False if it cannot fit at all."""
+        size = state.nbytes()
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.stats.bytes -= old[1]
+            if size > self.budget_bytes:
+                self.stats.too_large += 1
+                self._sync()
+                return False
+            while self._items and self.stats.bytes + size > self.budget_bytes:
+                _, (_, evicted) = self._items.popitem(last=False)
+                self.stats.bytes -= evicted
+                self.stats.evictions += 1
+            self._items[key] = (state, size)
+            self.stats.bytes += size
+            self._sync()
+            return True
+
+    def drop(self, key: str) -> None:
+        """Forget a speaker (re-registered or deleted)."""
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.stats.bytes -= old[1]
+            self._sync()
+
+    def _sync(self) -> None:
+        self.stats.entries = len(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
