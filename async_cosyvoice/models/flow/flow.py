@@ -68,6 +68,7 @@ class Flow(nn.Module):
         mel = self.decoder(mu, mask, spks, cond, streaming, estimator=estimator, trace=trace)
         return mel, mel_lens
 
+    @torch.inference_mode()
     def forward_cached(
         self,
         tokens: Tensor,
