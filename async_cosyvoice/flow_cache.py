@@ -27,11 +27,14 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
+from .models.dims import FlowDims
 from .models.flow.prefix import FlowState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FlowState", "SpeakerPrefixCache", "CacheStats", "chunk_floor", "speaker_prefix_tokens"]
+__all__ = ["FlowState", "SpeakerPrefixCache", "CacheStats", "chunk_floor", "speaker_prefix_tokens", "state_nbytes"]
 
 
 def chunk_floor(tokens: int, chunk: int) -> int:
@@ -42,6 +45,25 @@ def speaker_prefix_tokens(n_prompt_tokens: int, chunk: int, lookahead: int) -> i
     """Prompt tokens whose state does not depend on the target: complete chunks before the last
     `lookahead` prompt tokens."""
     return chunk_floor(max(0, n_prompt_tokens - lookahead), chunk)
+
+
+def state_nbytes(dims: FlowDims, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a FlowState covering `tokens` prompt + target tokens, from the model dims (every
+    tensor in the flow's dtype but the float32 mel). Per token: the encoder's keys and values (6
+    layers on tokens, 4 on frames) and, at each CFM step, the keys and values of every estimator
+    transformer block for both CFG halves; plus per state the causal convs' left context."""
+    if tokens == 0:
+        return 0
+    enc, est, cfm = dims.encoder, dims.estimator, dims.cfm
+    ratio, size = dims.token_mel_ratio, torch.empty(0, dtype=dtype).element_size()
+    ch, inner = est.channels[0], est.num_heads * est.attention_head_dim
+    blocks = est.n_blocks * (est.num_mid_blocks + 2)
+    per_token = (2 * enc.output_size * (enc.num_blocks + ratio * enc.num_up_blocks)
+                 + cfm.n_timesteps * 2 * 2 * inner * blocks * ratio)
+    conv_inputs = est.in_channels + 2 * ch + 2 * ch * est.num_mid_blocks + 2 * ch + ch + ch + ch  # kernel 3: 2 frames
+    fixed = (enc.output_size * (2 + 2 * enc.upsample_stride)  # pre-lookahead conv2 (k3), up conv (k5)
+             + cfm.n_timesteps * 2 * 2 * conv_inputs)
+    return size * (per_token * tokens + fixed) + 4 * dims.output_size * ratio * tokens
 
 
 @dataclass

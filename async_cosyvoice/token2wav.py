@@ -29,6 +29,7 @@ state belongs to one request (upstream mutates a hop shared by all requests):
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
@@ -41,6 +42,8 @@ from torch import Tensor
 from .flow_cache import SpeakerPrefixCache, chunk_floor, speaker_prefix_tokens
 from .models.flow.prefix import FlowState, Geometry
 from .models.hift import HiFT, NSFNoise
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkSchedule", "Token2WavJob", "Token2WavStream", "Token2WavRunner", "ChunkRecord",
@@ -362,6 +365,10 @@ class Token2WavRunner:
         self.flow_cache = flow_cache and self._batched_flow
         self.speaker_prefixes = SpeakerPrefixCache(speaker_cache_bytes)
         self.max_cached_tokens = max_cached_tokens
+        if self.flow_cache and estimator is not None and getattr(estimator, "name", "torch") != "torch":
+            log.info("flow state cache on: streaming chunks run the flow's PyTorch estimator against their cached "
+                     "prefix; the %s estimator runs final and non-streaming calls (token2wav.flow_cache: false "
+                     "runs every call on it, recomputing the prefix)", estimator.name)
 
     @property
     def device(self) -> torch.device:

@@ -166,3 +166,11 @@ def test_geometry_rejects_bad_ranges_and_state_mismatch(flow, prompts):
     with pytest.raises(ValueError, match="multiple"):
         flow.forward_cached(tok[:, :43], Geometry([0], [40], [40], torch.device("cpu")), feat,
                             torch.tensor([feat.shape[1]]), emb, [None])
+
+
+def test_state_size_from_dims_matches_the_state(flow, hift, prompts):
+    """state_nbytes (used for the full-size memory report) counts exactly what a state holds."""
+    from async_cosyvoice.flow_cache import state_nbytes
+    runner = Token2WavRunner(flow, hift)
+    state = runner._speaker_prefix(new_stream(prompts, "p24", 15, key="x"))
+    assert state.nbytes() == state_nbytes(flow.dims, state.tokens, torch.float32)
