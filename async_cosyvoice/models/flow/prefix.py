@@ -46,6 +46,7 @@ class Geometry:
         self._start = torch.tensor(self.start, device=self.device)
         self.new_lengths = torch.tensor(self.new, device=self.device)
         self._end = torch.tensor(self.end, device=self.device)
+        self.index_cache: dict = {}  # gather indices of the cursor, shared by every layer and CFM step
 
     def scaled(self, factor: int) -> "Geometry":
         return Geometry([factor * s for s in self.start], [factor * e for e in self.end],
@@ -74,7 +75,13 @@ class Geometry:
 
 class Cursor:
     """One cached call's walk through its items' states, in module order: each causal conv and each
-    attention layer takes the next entry of every item and leaves the entry for the next call."""
+    attention layer takes the next entry of every item and leaves the entry for the next call.
+
+    Every layer does a fixed number of tensor ops whatever the number of items (one gather builds
+    the padded keys of all items; one gather takes the frames to keep), so a batch of many streams
+    costs few kernel launches. The kept frames of all items of one layer are one tensor per call;
+    each item's segment is a view of it.
+    """
 
     def __init__(self, states: Sequence[Sequence[Entry] | None]):
         self.states = states
@@ -89,13 +96,18 @@ class Cursor:
         """x (rows·B, C, N) new frames -> (rows·B, C, context + N): each item's cached left context
         (zeros at the sequence start) then x. Records each item's context before keep[b]."""
         old = self._take()
-        xc = torch.cat([x.new_zeros(x.shape[0], x.shape[1], context), x], dim=2)
-        for b, ctx in enumerate(old):
-            if ctx is not None:
-                xc[g.rows(b), :, :context] = ctx
-        for b, ctx in enumerate(old):
-            n = g.keep[b] - g.start[b]
-            self.out[b].append(xc[g.rows(b), :, n:n + context].clone() if n > 0 else ctx)
+        R, C, N = x.shape[0] // g.B, x.shape[1], x.shape[2]
+        zeros = x.new_zeros(R, C, context)
+        ctx = torch.stack([zeros if c is None else c for c in old], dim=1).reshape(R * g.B, C, context)
+        xc = torch.cat([ctx, x], dim=2)
+        key = ("conv", context)
+        index = g.index_cache.get(key)
+        if index is None:
+            first = torch.tensor([k - s for s, k in zip(g.start, g.keep)], device=x.device)
+            index = g.index_cache[key] = (first.view(-1, 1) + torch.arange(context, device=x.device)).view(1, -1, 1, context)
+        taken = xc.view(R, g.B, C, context + N).gather(3, index.expand(R, g.B, C, context))
+        for b, c in enumerate(old):
+            self.out[b].append(taken[:, b] if g.keep[b] > g.start[b] else c)
         return xc
 
     def attention(self, k: Tensor, v: Tensor, g: Geometry) -> tuple[Tensor, Tensor]:
@@ -103,27 +115,50 @@ class Cursor:
         (values) at [0, start[b]), its new ones at [start[b], end[b]), zeros after. Records
         the keys before keep[b] (the cached segments plus the new frames up to keep[b])."""
         old = self._take()
-        R, H, _, d = k.shape
-        K = k.new_zeros(R, H, g.K, d)
-        V = v.new_zeros(R, H, g.K, d)
-        for b, entry in enumerate(old):
-            rows, s, e = g.rows(b), g.start[b], g.end[b]
-            if entry is not None:
-                at = 0
-                for ks, vs in zip(*entry):
-                    K[rows, :, at:at + ks.shape[2]] = ks
-                    V[rows, :, at:at + vs.shape[2]] = vs
-                    at += ks.shape[2]
-                if at != s:
-                    raise RuntimeError(f"cached keys cover {at} frames, the call starts at {s}")
-            K[rows, :, s:e] = k[rows, :, :e - s]
-            V[rows, :, s:e] = v[rows, :, :e - s]
-            kept = g.keep[b]
-            if kept > s:
-                ks, vs = entry if entry is not None else ((), ())
-                entry = (ks + (K[rows, :, s:kept].clone(),), vs + (V[rows, :, s:kept].clone(),))
-            self.out[b].append(entry if entry is not None else ((), ()))
+        segments = [((), ()) if e is None else e for e in old]
+        lengths = tuple(tuple(t.shape[2] for t in ks) for ks, _ in segments)
+        for b, n in enumerate(lengths):
+            if sum(n) != g.start[b]:
+                raise RuntimeError(f"cached keys cover {sum(n)} frames, the call starts at {g.start[b]}")
+        gather, kept = self._attention_index(g, lengths, k.device)
+        out = []
+        for new, part in ((k, 0), (v, 1)):
+            R, H, N, d = new.shape[0] // g.B, new.shape[1], new.shape[2], new.shape[3]
+            new = new.view(R, g.B, H, N, d).transpose(1, 2).reshape(R, H, g.B * N, d)
+            flat = torch.cat([t for seg in segments for t in seg[part]] + [new, new.new_zeros(R, H, 1, d)], dim=2)
+            full = flat.index_select(2, gather).view(R, H, g.B, g.K, d).transpose(1, 2).reshape(R * g.B, H, g.K, d)
+            keep = flat.index_select(2, kept[0]).split(kept[1], dim=2) if kept[1] else ()
+            out.append((full, keep))
+        (K, k_keep), (V, v_keep) = out
+        i = 0
+        for b, (ks, vs) in enumerate(segments):
+            if g.keep[b] > g.start[b]:
+                ks, vs = ks + (k_keep[i],), vs + (v_keep[i],)
+                i += 1
+            self.out[b].append((ks, vs))
         return K, V
+
+    def _attention_index(self, g: Geometry, lengths: tuple, device) -> tuple[Tensor, tuple[Tensor, list[int]]]:
+        """Indices into the flat [cached segments of every item, new frames of every item, one zero
+        frame]: the (B·K) frames of the padded keys, and the frames kept (with each item's count)."""
+        key = ("attention", lengths)
+        if key in g.index_cache:
+            return g.index_cache[key]
+        cached_total = sum(g.start)
+        new_base, zero = cached_total, cached_total + g.B * g.N
+        rows, kept, counts, offset = [], [], [], 0
+        for b in range(g.B):
+            s, e = g.start[b], g.end[b]
+            rows.append(torch.cat([torch.arange(offset, offset + s), new_base + b * g.N + torch.arange(e - s),
+                                   torch.full((g.K - e,), zero)]))
+            offset += s
+            if g.keep[b] > s:
+                kept.append(new_base + b * g.N + torch.arange(g.keep[b] - s))
+                counts.append(g.keep[b] - s)
+        gather = torch.cat(rows).to(device)
+        kept_index = torch.cat(kept).to(device) if kept else torch.zeros(0, dtype=torch.long, device=device)
+        g.index_cache[key] = (gather, (kept_index, counts))
+        return g.index_cache[key]
 
 
 @dataclass(frozen=True, eq=False)
