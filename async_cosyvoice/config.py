@@ -65,6 +65,8 @@ class Token2WavConfig(_Section):
     flow_cache: bool = True
     flow_cache_speaker_bytes: int = Field(2 << 30, ge=0)  # device memory for speakers' prompt prefixes (LRU)
     flow_cache_max_tokens: int | None = Field(None, ge=0)  # per stream: no state cached past this many tokens
+    # the final chunk also from the cache, with chunked attention: NOT exact (upstream's final uses full attention)
+    flow_cache_chunked_final: bool = False
 
 
 class SpeakerConfig(_Section):

@@ -342,12 +342,16 @@ class Token2WavRunner:
     speaker_cache_bytes: device memory for registered speakers' prompt prefixes (LRU).
     max_cached_tokens: a stream caches no state past this many prompt + target tokens (later
     chunks recompute the frames after it); None: no cap.
+    chunked_final: a streaming stream's final call also computes only its new frames against the
+    cache, with chunked attention and zero look-ahead. Not exact: upstream's final call uses full
+    attention (every earlier frame sees the last tokens), so the final chunk's audio differs
+    (measured on the tiny fixture: NOTES-flowcache.md). Off by default.
     """
 
     def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
                  estimator: Callable[..., Tensor] | None = None, length_bucket_ratio: float = 1.5,
                  max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 1 << 30,
-                 max_cached_tokens: int | None = None):
+                 max_cached_tokens: int | None = None, chunked_final: bool = False):
         from .models.flow.flow import Flow
         if length_bucket_ratio < 1:
             raise ValueError(f"length_bucket_ratio must be >= 1, got {length_bucket_ratio}")
@@ -365,6 +369,7 @@ class Token2WavRunner:
         self.flow_cache = flow_cache and self._batched_flow
         self.speaker_prefixes = SpeakerPrefixCache(speaker_cache_bytes)
         self.max_cached_tokens = max_cached_tokens
+        self.chunked_final = chunked_final
         if self.flow_cache and estimator is not None and getattr(estimator, "name", "torch") != "torch":
             log.info("flow state cache on: streaming chunks run the flow's PyTorch estimator against their cached "
                      "prefix; the %s estimator runs final and non-streaming calls (token2wav.flow_cache: false "
@@ -386,18 +391,18 @@ class Token2WavRunner:
         full, cached = [], []
         for i, job in enumerate(jobs):
             s = job.stream
-            if job.finalize:
-                s.flow_state = None  # full attention from here on: the cache is of no further use
             if job.finalize and job.hop == 0:  # nothing new: the mel after 2*offset would be empty
                 out[i] = s.prompt_feat.new_zeros(1, s.prompt_feat.shape[2], 0).to(self.device)
             elif not self._batched_flow:
                 dev = self.device
                 out[i] = self.flow.inference(job.tokens.to(dev), s.prompt_token.to(dev), s.prompt_feat.to(dev),
                                              s.embedding.to(dev), streaming=job.streaming, finalize=job.finalize)
-            elif self.flow_cache and job.streaming and not job.finalize:
+            elif self.flow_cache and (job.streaming or (self.chunked_final and job.finalize and s.stream)):
                 cached.append(i)
             else:
                 full.append(i)
+            if job.finalize and i not in cached:
+                s.flow_state = None  # full attention from here on: the cache is of no further use
         for todo, lengths, run in (
                 (full, [jobs[i].stream.prompt_token.shape[1] + jobs[i].n_tokens for i in full], self._flow_batch),
                 (cached, [self._cached_plan(jobs[i])[1] for i in cached], self._flow_cached)):
@@ -440,12 +445,12 @@ class Token2WavRunner:
         """(state to start from, new tokens to compute, tokens to keep) for a streaming job."""
         s = job.stream
         P = s.prompt_token.shape[1]
-        end = P + job.n_tokens - self.flow.dims.pre_lookahead_len
+        end = P + job.n_tokens - (0 if job.finalize else self.flow.dims.pre_lookahead_len)
         state = s.flow_state
         if state is None or state.tokens > P + job.token_offset:  # none yet, or a job re-run: restart
             state = self._speaker_prefix(s)
         start = 0 if state is None else state.tokens
-        keep = chunk_floor(end, self.flow.dims.encoder.static_chunk_size)
+        keep = chunk_floor(end, self.flow.dims.encoder.static_chunk_size) if not job.finalize else 0
         if self.max_cached_tokens is not None:
             keep = min(keep, chunk_floor(self.max_cached_tokens, self.flow.dims.encoder.static_chunk_size))
         return state, end - start, max(start, keep)
@@ -492,7 +497,8 @@ class Token2WavRunner:
         embedding = torch.cat([j.stream.embedding.reshape(1, -1).cpu() for j in jobs])
         mel, states = flow.forward_cached(tokens.to(dev), g, prompt_feat.to(dev),
                                           torch.tensor([f.shape[0] for f in feats], device=dev),
-                                          embedding.to(dev), [state for state, _, _ in plans])
+                                          embedding.to(dev), [state for state, _, _ in plans],
+                                          [0 if j.finalize else n_context for j in jobs])
         st = self.stats
         st.flow_calls += 1
         st.flow_items += B
@@ -501,7 +507,7 @@ class Token2WavRunner:
         st.flow_cached_frames += ratio * sum(starts)
         out = []
         for b, (j, (old, _, _), state) in enumerate(zip(jobs, plans, states)):
-            j.stream.flow_state = state
+            j.stream.flow_state = None if j.finalize else state
             # the target mel from frame 0: the cached frames' mel is what they had when they were new
             # (a complete chunk's frames are the same on every later call), then this call's frames
             new = mel[b:b + 1, :, :ratio * g.new[b]]

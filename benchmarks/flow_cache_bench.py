@@ -20,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from async_cosyvoice.flow_cache import speaker_prefix_tokens, state_nbytes
@@ -141,6 +142,29 @@ def memory(models, work, args, device, peak_stream_bytes):
         print(f"CUDA max memory allocated during the run: {torch.cuda.max_memory_allocated(device) / MB:.0f} MiB")
 
 
+def chunked_final_difference(models, golden_dir: Path):
+    """The optional chunked final (Token2WavRunner(chunked_final=True)) against the goldens (upstream's
+    exact final: full attention): max |difference| of the final chunk's flow mel and of the audio."""
+    print("\n## chunked final vs upstream's full-attention final (the fixture's e2e goldens, zero NSF noise)")
+    print("| run | final chunk mel max abs diff | audio max abs diff | audio max abs (scale) | earlier chunks equal |")
+    print("|---|---|---|---|---|")
+    for path in sorted(golden_dir.glob("e2e_stream_*.npz")):
+        g = np.load(path)
+        t = lambda k: torch.from_numpy(g[k])  # noqa: E731
+        records = []
+        runner = Token2WavRunner(models.flow, models.hift, recorder=records.append, chunked_final=True)
+        stream = Token2WavStream(t("prompt_token"), t("prompt_feat"), t("embedding"), noise=NSFNoise.zero(),
+                                 schedule=ChunkSchedule(first_hop=int(g["token_hop_len"][0])))
+        audio = torch.cat(runner.render(stream, g["token"][0].tolist()))
+        last = len(records) - 1
+        mel_diff = (records[-1].flow_mel - t(f"call{last}/flow_mel")).abs().max().item()
+        ref = t("audio_zero_noise")[0]
+        n_before = sum(int(x) for x in g["chunk_lengths"][:-1])
+        audio_diff = (audio - ref).abs().max().item()
+        before = (audio[:n_before] - ref[:n_before]).abs().max().item() <= 1e-4
+        print(f"| {path.stem} | {mel_diff:.3g} | {audio_diff:.3g} | {ref.abs().max().item():.3g} | {before} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
@@ -157,6 +181,8 @@ def main(argv=None) -> None:
     ap.add_argument("--length-bucket-ratio", type=float, default=1.5)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--chunked-final-golden", type=Path, default=None,
+                    help="a golden dir (the fixture's golden/): measure the chunked final against it")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -176,6 +202,8 @@ def main(argv=None) -> None:
         per_chunk(models, work, args, device)
         peak = batched_vs_alone(models, work, args, device)
         memory(models, work, args, device, peak)
+        if args.chunked_final_golden:
+            chunked_final_difference(models, args.chunked_final_golden)
 
 
 if __name__ == "__main__":

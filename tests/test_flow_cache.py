@@ -174,3 +174,26 @@ def test_state_size_from_dims_matches_the_state(flow, hift, prompts):
     runner = Token2WavRunner(flow, hift)
     state = runner._speaker_prefix(new_stream(prompts, "p24", 15, key="x"))
     assert state.nbytes() == state_nbytes(flow.dims, state.tokens, torch.float32)
+
+
+def test_chunked_final_is_the_chunked_recompute(flow, hift, prompts):
+    """The optional chunked final (not upstream's: see NOTES) equals a chunked-attention recompute
+    with zero look-ahead, and drops the stream's cache."""
+    runner = Token2WavRunner(flow, hift, chunked_final=True)
+    stream = new_stream(prompts, "p16", 15, key="k")
+    tokens = target_tokens(40, 9)
+    while (job := stream.next_job(tokens, llm_done=True)) is not None:
+        frames = runner.stats.flow_frames
+        mel = runner.flow_mel(job)
+        if job.finalize:
+            start = 2 * (74 + len(tokens)) - (runner.stats.flow_frames - frames)
+            assert 0 < start <= 2 * (74 + job.token_offset)  # only the frames after the cached prefix
+            tok, feat, emb = prompts["p16"]
+            seq = torch.cat([tok, torch.tensor([tokens], dtype=torch.int32)], dim=1)
+            with torch.inference_mode():
+                ref, _ = flow(seq, torch.tensor([seq.shape[1]]), torch.tensor([0]), feat,
+                              torch.tensor([feat.shape[1]]), emb, streaming=True)
+            assert (mel - ref[:, :, feat.shape[1]:]).abs().max() <= ATOL
+            assert stream.flow_state is None
+        advance(stream, job, mel)
+    assert job is None and stream.finished

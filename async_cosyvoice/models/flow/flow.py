@@ -77,6 +77,7 @@ class Flow(nn.Module):
         prompt_feat_lens: Tensor,
         embedding: Tensor,
         states: list[FlowState | None],
+        context_lens: list[int] | None = None,
     ) -> tuple[Tensor, list[FlowState]]:
         """A streaming call on new frames only (the exact flow state cache, prefix.py).
 
@@ -85,7 +86,9 @@ class Flow(nn.Module):
         state of tokens [0, g.keep[b]). tokens (B, N + pre_lookahead_len): the ids of tokens
         [start, end + pre_lookahead_len) right-padded; keep[b] must be a multiple of the encoder
         chunk (or equal start), so only complete chunks are cached. prompt_feat (B, F, 80) with
-        prompt_feat_lens[b] valid frames (absolute, from frame 0), embedding (B, 192).
+        prompt_feat_lens[b] valid frames (absolute, from frame 0), embedding (B, 192). context_lens[b]:
+        look-ahead tokens after end[b] in `tokens` (default pre_lookahead_len; 0: zeros, as a final
+        call, then with chunked instead of upstream's full attention).
 
         Returns mel (B, 80, ratio·N) float32 of frames [ratio·start, ratio·end), zero past each
         item, and the items' new states. Equal to `forward(..., streaming=True)` on the whole
@@ -102,7 +105,8 @@ class Flow(nn.Module):
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device).float(), dim=1).to(dtype))
         x = self.input_embedding(tokens.to(device).clamp(min=0).long())
         cursor = Cursor([None if s is None else s.encoder for s in states])
-        h = self.encoder.forward_cached(x, g, cursor)
+        context = None if context_lens is None else torch.tensor(context_lens, device=device)
+        h = self.encoder.forward_cached(x, g, cursor, context)
         mu = self.encoder_proj(h).transpose(1, 2)
 
         g2 = g.scaled(self.dims.token_mel_ratio)
