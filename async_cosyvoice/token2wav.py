@@ -403,12 +403,15 @@ class Token2WavRunner:
                 full.append(i)
             if job.finalize and i not in cached:
                 s.flow_state = None  # full attention from here on: the cache is of no further use
+        plans = {i: self._cached_plan(jobs[i]) for i in cached}
         for todo, lengths, run in (
-                (full, [jobs[i].stream.prompt_token.shape[1] + jobs[i].n_tokens for i in full], self._flow_batch),
-                (cached, [self._cached_plan(jobs[i])[1] for i in cached], self._flow_cached)):
+                (full, [jobs[i].stream.prompt_token.shape[1] + jobs[i].n_tokens for i in full],
+                 lambda idx: self._flow_batch([jobs[i] for i in idx])),
+                (cached, [plans[i][1] for i in cached],
+                 lambda idx: self._flow_cached([jobs[i] for i in idx], [plans[i] for i in idx]))):
             for group in length_groups(lengths, self.length_bucket_ratio, self.max_flow_batch):
                 idx = [todo[g] for g in group]
-                for i, mel in zip(idx, run([jobs[i] for i in idx])):
+                for i, mel in zip(idx, run(idx)):
                     out[i] = mel
         return out
 
@@ -476,12 +479,13 @@ class Token2WavRunner:
             self.speaker_prefixes.put(key, state)
         return state
 
-    def _flow_cached(self, jobs: Sequence[Token2WavJob]) -> list[Tensor]:
-        """One cached Flow call over streaming jobs: each computes the tokens after its cached prefix.
-        Updates each stream's flow_state; returns each job's (1, 80, T_b) target mel (views)."""
+    def _flow_cached(self, jobs: Sequence[Token2WavJob], plans: Sequence[tuple[FlowState | None, int, int]]
+                     ) -> list[Tensor]:
+        """One cached Flow call over streaming jobs (with their `_cached_plan`s): each computes the
+        tokens after its cached prefix. Updates each stream's flow_state; returns each job's
+        (1, 80, T_b) target mel."""
         flow, dev = self.flow, self.device
         n_context, ratio = flow.dims.pre_lookahead_len, flow.dims.token_mel_ratio
-        plans = [self._cached_plan(j) for j in jobs]
         starts = [0 if state is None else state.tokens for state, _, _ in plans]
         ends = [start + n for start, (_, n, _) in zip(starts, plans)]
         g = Geometry(starts, ends, [keep for _, _, keep in plans], dev)
