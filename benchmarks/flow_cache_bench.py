@@ -149,8 +149,10 @@ def chunked_final_difference(models, golden_dir: Path):
     print("| run | final chunk mel max abs diff | audio max abs diff | audio max abs (scale) | earlier chunks equal |")
     print("|---|---|---|---|---|")
     for path in sorted(golden_dir.glob("e2e_stream_*.npz")):
-        g = np.load(path)
-        t = lambda k: torch.from_numpy(g[k])  # noqa: E731
+        g = dict(np.load(path))
+
+        def t(key: str, g=g) -> torch.Tensor:
+            return torch.from_numpy(g[key])
         records = []
         runner = Token2WavRunner(models.flow, models.hift, recorder=records.append, chunked_final=True)
         stream = Token2WavStream(t("prompt_token"), t("prompt_feat"), t("embedding"), noise=NSFNoise.zero(),

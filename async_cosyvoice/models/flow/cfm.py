@@ -71,7 +71,7 @@ class CausalConditionalCFM(nn.Module):
         [g.start[b], g.end[b]) of each item. states[b][step]: item b's estimator state at each CFM
         step (None: nothing cached). Returns the mel of those frames and each item's states for
         the next call. Runs the module's own PyTorch estimator."""
-        B, C, N = mu.shape
+        B, C = mu.shape[:2]
         if g.K > self.params.noise_frames:
             raise ValueError(f"{g.K} mel frames (prompt + target) exceed the {self.params.noise_frames} frames of flow noise")
         noise = fixed_noise(C, self.params.noise_frames, mu.device, mu.dtype)[0]
