@@ -80,8 +80,10 @@ class SpeakerPrefixCache:
     """LRU of speaker prompt prefixes (FlowState on the flow's device) within a byte budget.
 
     Past the budget the least recently used speakers are dropped; their next stream recomputes
-    the prefix (exact either way). `budget_bytes` 0 disables the cache. Thread-safe (the runner
-    calls it from its device thread; stats may be read from anywhere).
+    the prefix (exact either way). `budget_bytes` 0 disables the cache. Each entry keeps the
+    prompt tokens it was computed from: a lookup with other tokens under the same key (a speaker
+    re-registered with new audio) is a miss, never a stale prefix. Thread-safe (the runner calls
+    it from its device thread; stats may be read from anywhere).
     """
 
     def __init__(self, budget_bytes: int):
@@ -89,21 +91,24 @@ class SpeakerPrefixCache:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.stats = CacheStats()
-        self._items: OrderedDict[str, tuple[FlowState, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[FlowState, int, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> FlowState | None:
+    def get(self, key: str, tokens: torch.Tensor) -> FlowState | None:
+        """The prefix of `key` if it was computed from these prompt tokens (the ones it covers plus
+        the look-ahead after them)."""
         with self._lock:
             item = self._items.get(key)
-            if item is None:
+            if item is None or not torch.equal(item[2], tokens):
                 self.stats.misses += 1
                 return None
             self._items.move_to_end(key)
             self.stats.hits += 1
             return item[0]
 
-    def put(self, key: str, state: FlowState) -> bool:
-        """Keep `state` for `key` (evicting older speakers as needed); False if it cannot fit at all."""
+    def put(self, key: str, state: FlowState, tokens: torch.Tensor) -> bool:
+        """Keep `state`, computed from prompt `tokens`, for `key` (evicting older speakers as needed);
+        False if it cannot fit at all."""
         size = state.nbytes()
         with self._lock:
             old = self._items.pop(key, None)
@@ -114,10 +119,10 @@ class SpeakerPrefixCache:
                 self._sync()
                 return False
             while self._items and self.stats.bytes + size > self.budget_bytes:
-                _, (_, evicted) = self._items.popitem(last=False)
+                _, (_, evicted, _) = self._items.popitem(last=False)
                 self.stats.bytes -= evicted
                 self.stats.evictions += 1
-            self._items[key] = (state, size)
+            self._items[key] = (state, size, tokens.clone())
             self.stats.bytes += size
             self._sync()
             return True

@@ -465,18 +465,19 @@ class Token2WavRunner:
         n = speaker_prefix_tokens(s.prompt_token.shape[1], dims.encoder.static_chunk_size, dims.pre_lookahead_len)
         if key is None or n == 0 or self.speaker_prefixes.budget_bytes == 0:
             return None
-        state = self.speaker_prefixes.get(key)
-        if state is None or state.tokens != n:
+        tokens = s.prompt_token.reshape(-1)[:n + dims.pre_lookahead_len].cpu()
+        state = self.speaker_prefixes.get(key, tokens)
+        if state is None:
             dev = self.device
-            tokens = s.prompt_token.reshape(1, -1)[:, :n + dims.pre_lookahead_len].to(dev)
-            _, (state,) = self.flow.forward_cached(tokens, Geometry([0], [n], [n], dev), s.prompt_feat.to(dev),
+            _, (state,) = self.flow.forward_cached(tokens[None].to(dev), Geometry([0], [n], [n], dev),
+                                                   s.prompt_feat.to(dev),
                                                    torch.tensor([s.prompt_feat.shape[1]], device=dev),
                                                    s.embedding.reshape(1, -1).to(dev), [None])
             self.stats.flow_calls += 1
             self.stats.flow_items += 1
             self.stats.flow_frames += dims.token_mel_ratio * n
             self.stats.flow_padded_frames += dims.token_mel_ratio * n
-            self.speaker_prefixes.put(key, state)
+            self.speaker_prefixes.put(key, state, tokens)
         return state
 
     def _flow_cached(self, jobs: Sequence[Token2WavJob], plans: Sequence[tuple[FlowState | None, int, int]]

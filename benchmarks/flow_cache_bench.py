@@ -69,7 +69,7 @@ def lockstep(runner: Token2WavRunner, streams, tokens, device, flow_only: bool):
             runner.run_many(jobs)
         sync(device)
         ms = (time.perf_counter() - t0) * 1000
-        prefix = runner.speaker_prefixes.get("speaker") if runner.flow_cache else None
+        prefix = runner._speaker_prefix(streams[0]) if runner.flow_cache else None
         peak_state = max([peak_state] + [s.flow_state.nbytes(excluding=prefix) for s in streams
                                          if s.flow_state is not None])
         rounds.append((ms, (st.flow_frames - frames) / len(jobs), (st.flow_cached_frames - cached) / len(jobs),

@@ -104,8 +104,8 @@ def test_speaker_prefix_is_shared_and_exact(flow, hift, prompts):
     a, b = new_stream(prompts, "p24", 15, key="spk"), new_stream(prompts, "p24", 15, key="spk")
     ja, jb = a.next_job(target_tokens(40, 5), False), b.next_job(target_tokens(40, 6), False)
     runner.flow_mels([ja, jb])
-    prefix = runner.speaker_prefixes.get("spk")
     P = prompts["p24"][0].shape[1]
+    prefix = runner.speaker_prefixes.get("spk", prompts["p24"][0][0, :53])
     assert prefix.tokens == speaker_prefix_tokens(P, 25, 3) == 50  # not 75: the last chunk sees the target
     shared = {id(t) for t in prefix.tensors()}
     for s in (a, b):
@@ -124,14 +124,16 @@ def test_speaker_cache_budget_evicts_and_falls_back(flow, hift, prompts):
     runner = Token2WavRunner(flow, hift)
     one = runner._speaker_prefix(new_stream(prompts, "p24", 15, key="x"))
     size = one.nbytes()
+    tok = prompts["p24"][0][0, :53]
     cache = SpeakerPrefixCache(budget_bytes=2 * size + size // 2)
     for key in ("a", "b", "c"):
-        assert cache.put(key, one)
-    assert len(cache) == 2 and cache.get("a") is None and cache.stats.evictions == 1
-    assert cache.get("b") is one  # b is now the most recent: d evicts c
-    cache.put("d", one)
-    assert cache.get("c") is None and cache.get("b") is one and cache.stats.bytes == 2 * size
-    assert not SpeakerPrefixCache(size - 1).put("a", one)  # larger than the budget: recomputed per stream
+        assert cache.put(key, one, tok)
+    assert len(cache) == 2 and cache.get("a", tok) is None and cache.stats.evictions == 1
+    assert cache.get("b", tok) is one  # b is now the most recent: d evicts c
+    cache.put("d", one, tok)
+    assert cache.get("c", tok) is None and cache.get("b", tok) is one and cache.stats.bytes == 2 * size
+    assert cache.get("b", prompts["p16"][0][0, :53]) is None  # re-registered with other audio: a miss
+    assert not SpeakerPrefixCache(size - 1).put("a", one, tok)  # larger than the budget: recomputed per stream
 
     # budget 0: no speaker prefixes, every stream computes its prompt (still exact)
     runner = Token2WavRunner(flow, hift, speaker_cache_bytes=0)
