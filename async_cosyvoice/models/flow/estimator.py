@@ -191,9 +191,13 @@ class CausalConditionalDecoder(nn.Module):
         x = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(2)), cond], dim=1)
         if cache is None:
             bias = self.attention_bias(mask, streaming, x.dtype)
-        else:
-            allowed = cache[1].attention_mask(self.dims.static_chunk_size).repeat(x.size(0) // cache[1].B, 1, 1)
-            bias = _additive(allowed, x.dtype)
+        else:  # the same for every CFM step of the call: made once
+            g = cache[1]
+            key = ("estimator bias", x.size(0), x.dtype)
+            if key not in g.index_cache:
+                allowed = g.attention_mask(self.dims.static_chunk_size).repeat(x.size(0) // g.B, 1, 1)
+                g.index_cache[key] = _additive(allowed, x.dtype)
+            bias = g.index_cache[key]
 
         (resnet, blocks, down), = self.down_blocks
         x = _attend(blocks, resnet(x, mask, t, cache), bias, cache)

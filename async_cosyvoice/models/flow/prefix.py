@@ -46,7 +46,7 @@ class Geometry:
         self._start = torch.tensor(self.start, device=self.device)
         self.new_lengths = torch.tensor(self.new, device=self.device)
         self._end = torch.tensor(self.end, device=self.device)
-        self.index_cache: dict = {}  # gather indices of the cursor, shared by every layer and CFM step
+        self.index_cache: dict = {}  # gather indices and masks, made once per call for every layer and CFM step
 
     def scaled(self, factor: int) -> "Geometry":
         return Geometry([factor * s for s in self.start], [factor * e for e in self.end],
