@@ -350,7 +350,7 @@ class Token2WavRunner:
 
     def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
                  estimator: Callable[..., Tensor] | None = None, length_bucket_ratio: float = 1.5,
-                 max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 1 << 30,
+                 max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 2 << 30,
                  max_cached_tokens: int | None = None, chunked_final: bool = False):
         from .models.flow.flow import Flow
         if length_bucket_ratio < 1:
