@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
 import zlib
@@ -51,6 +50,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+
+from .files import atomic_writer
 
 if TYPE_CHECKING:
     from .config import Config
@@ -141,15 +142,8 @@ def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
     """16-bit PCM WAV via a temporary file in the same folder and a rename."""
     import soundfile as sf
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    with atomic_writer(path) as tmp:
         sf.write(str(tmp), np.clip(audio, -1.0, 1.0), sample_rate, subtype="PCM_16", format="WAV")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 def shard(entries: Sequence[Entry], index: int, count: int) -> list[Entry]:
@@ -254,7 +248,7 @@ async def synthesize_entry(synth: "Synthesizer", entry: Entry, *, seed: int = 0,
                            text_frontend: bool = True) -> float:
     """Synthesize one entry (non-streaming) and write its wav; returns its audio seconds."""
     from .frontend.audio import load_audio
-    from .tts import Mode, SynthesisOptions, SynthesisRequest
+    from .request import Mode, SynthesisOptions, SynthesisRequest
 
     prompt = await asyncio.to_thread(load_audio, entry.prompt_wav)
     mode = Mode.ZERO_SHOT if entry.prompt_text.strip() else Mode.CROSS_LINGUAL

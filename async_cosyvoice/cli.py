@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .errors import CosyVoiceError
+from .errors import CosyVoiceError, ModelDirError
 
 
 def _config(args):
@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser, engine: bool = True) -> None:
 
 def _request_from_args(args):
     from .frontend.audio import load_audio
-    from .tts import Mode, SynthesisOptions, SynthesisRequest
+    from .request import Mode, SynthesisOptions, SynthesisRequest
 
     prompt = load_audio(args.prompt_wav) if args.prompt_wav else None
     source = load_audio(args.source_wav) if args.source_wav else None
@@ -107,7 +107,7 @@ def cmd_speakers(args) -> int:
 
         with SyncSynthesizer(config) as synth:
             record = synth.register_speaker(args.id, args.prompt_text, load_audio(args.prompt_wav), args.overwrite)
-        print(f"registered {record.speaker_id}: {record.speech_tokens.size} prompt tokens")
+        print(f"registered {record.speaker_id}: {record.voice.n_tokens} prompt tokens")
         return 0
     store = SpeakerStore(config.speakers.dir, cache_size=config.speakers.cache_size)
     if args.action == "list":
@@ -117,8 +117,8 @@ def cmd_speakers(args) -> int:
         r = store.get(args.id)
         print(json.dumps({"speaker_id": r.speaker_id, "kind": r.kind, "prompt_text": r.prompt_text,
                           "prompt_text_tokens": int(r.prompt_text_tokens.size),
-                          "speech_tokens": int(r.speech_tokens.size), "speech_feat": list(r.speech_feat.shape),
-                          "embedding": list(r.embedding.shape), "created_at": r.created_at}, indent=2))
+                          "speech_tokens": r.voice.n_tokens, "speech_feat": list(r.voice.speech_feat.shape),
+                          "embedding": list(r.voice.embedding.shape), "created_at": r.created_at}, indent=2))
     elif args.action == "rm":
         store.delete(args.id)
         print(f"deleted {args.id}")
@@ -230,8 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .model_dir import ModelDirError
-
     try:
         return args.func(args)
     except (CosyVoiceError, ModelDirError) as e:

@@ -81,6 +81,7 @@ class LimitsConfig(_Section):
     max_forced_tokens: int = Field(3000, ge=1)  # SynthesisOptions.max_tokens (benchmarks)
     max_message_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     max_source_seconds: float = Field(120.0, gt=0)  # vc source audio
+    text_idle_seconds: float = Field(30.0, gt=0)  # a text stream that sends nothing for this long is ended
 
 
 class ServerConfig(_Section):

@@ -5,26 +5,20 @@ It makes the embedded default run anywhere without a download. It speaks noise, 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
+
+from .files import cache_root
+from .random_model import make_random_model
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "ASYNC_COSYVOICE_CACHE"
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
 
 
-def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "async_cosyvoice"
-    return Path(os.environ.get(CACHE_ENV, default)).expanduser()
-
-
 def demo_model_dir() -> Path:
     """Path of the demo model, generated on first use (a few seconds)."""
-    from .tools.make_random_model import make_random_model
-
-    path = cache_dir() / f"cosyvoice2-{DEMO_PRESET}-random-seed{DEMO_SEED}"
+    path = cache_root() / f"cosyvoice2-{DEMO_PRESET}-random-seed{DEMO_SEED}"
     return make_random_model(DEMO_PRESET, path, seed=DEMO_SEED)
 
 

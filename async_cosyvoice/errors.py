@@ -30,3 +30,17 @@ class Overloaded(CosyVoiceError):
 
 class Unsupported(CosyVoiceError):
     """A valid request this model or configuration cannot serve. -> FAILED_PRECONDITION"""
+
+
+class TextTimeout(CosyVoiceError):
+    """A text stream sent no piece (nor its end) for longer than limits.text_idle_seconds. -> DEADLINE_EXCEEDED"""
+
+
+class ModelDirError(Exception):
+    """A model directory file is missing, unreadable or not what CosyVoice2 expects.
+    The message names the file (relative to the directory) and what was expected."""
+
+    def __init__(self, file: str, message: str):
+        self.file = file
+        self.message = message
+        super().__init__(f"{file}: {message}")

@@ -2,14 +2,13 @@
 
 - `cosyvoice2.yaml` is parsed by the tag-aware loader of `recipe.py` (`!new:` / `!name:` / `!apply:` kept as
   `Tagged` data, `!ref` resolved); the typed `ModelDims` come from it plus `CosyVoice-BlankEN/config.json`
-  (backbone shape).
+  (backbone shape) through the one table of `dims_map.py`.
 - State dicts are loaded with `torch.load(weights_only=True)` and normalized to the key names our modules
   use: the Qwen2 backbone moves to `backbone.*`, HiFT weight norm is folded into plain weights.
 - Every problem raises `ModelDirError` naming the file and what was expected.
 """
 from __future__ import annotations
 
-import functools
 import json
 import zipfile
 from collections.abc import Mapping
@@ -19,12 +18,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from async_cosyvoice.model_dir_error import ModelDirError
-from async_cosyvoice.models.dims import (
-    CFMParams, EncoderDims, EstimatorDims, FlowDims, HiFTDims, LMDims, MelDims, ModelDims,
-    Qwen2Dims, RASParams,
-)
-from async_cosyvoice.recipe import YAML_FILE, RecipeLoader as RecipeLoader, Tagged, child, load_recipe
+from async_cosyvoice.dims_map import read_dims, read_qwen_dims
+from async_cosyvoice.errors import ModelDirError
+from async_cosyvoice.frontend.tokenizer import TextTokenizer
+from async_cosyvoice.models.dims import ModelDims, Qwen2Dims
+from async_cosyvoice.recipe import YAML_FILE, load_recipe
 
 BLANK_EN_DIR = "CosyVoice-BlankEN"
 QWEN_CONFIG = f"{BLANK_EN_DIR}/config.json"
@@ -44,102 +42,8 @@ LLM_OWN_KEYS = ("llm_embedding.weight", "speech_embedding.weight", "llm_decoder.
 # Typed dims
 # ---------------------------------------------------------------------------------------------------
 
-_MISSING = object()
-
-
-class _Cfg:
-    """Typed access into a resolved recipe / JSON config with precise errors."""
-
-    def __init__(self, data, file: str, prefix: str = ""):
-        self.data, self.file, self.prefix = data, file, prefix
-
-    def _path(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix else key
-
-    def get(self, key: str, default=_MISSING):
-        node = self.data
-        for part in key.split("."):
-            try:
-                node = child(node, part)
-            except KeyError:
-                if default is _MISSING:
-                    raise ModelDirError(self.file, f"missing key {self._path(key)}") from None
-                return default
-        return node
-
-    def sub(self, key: str, expect_class: str | None = None) -> "_Cfg":
-        node = self.get(key)
-        if expect_class is not None:
-            name = node.class_name if isinstance(node, Tagged) else type(node).__name__
-            if name != expect_class:
-                got = node.target if isinstance(node, Tagged) else repr(node)
-                raise ModelDirError(self.file, f"{self._path(key)} is {got}, expected {expect_class} (CosyVoice2)")
-        args = node.args if isinstance(node, Tagged) else node
-        if not isinstance(args, Mapping):
-            raise ModelDirError(self.file, f"{self._path(key)}: expected keyword arguments, got {args!r}")
-        return _Cfg(args, self.file, self._path(key))
-
-    def int(self, key: str, default=_MISSING) -> int:
-        v = self.get(key, default)
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ModelDirError(self.file, f"{self._path(key)} must be an integer, got {v!r}")
-        return v
-
-    def float(self, key: str, default=_MISSING) -> float:
-        v = self.get(key, default)
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise ModelDirError(self.file, f"{self._path(key)} must be a number, got {v!r}")
-        return float(v)
-
-    def opt_float(self, key: str, default=_MISSING) -> float | None:
-        return None if self.get(key, default) is None else self.float(key, default)
-
-    def str(self, key: str, default=_MISSING) -> str:
-        v = self.get(key, default)
-        if not isinstance(v, str):
-            raise ModelDirError(self.file, f"{self._path(key)} must be a string, got {v!r}")
-        return v
-
-    def bool(self, key: str, default=_MISSING) -> bool:
-        v = self.get(key, default)
-        if not isinstance(v, bool):
-            raise ModelDirError(self.file, f"{self._path(key)} must be true/false, got {v!r}")
-        return v
-
-    def ints(self, key: str, default=_MISSING) -> tuple[int, ...]:
-        v = self.get(key, default)
-        if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            raise ModelDirError(self.file, f"{self._path(key)} must be a list of integers, got {v!r}")
-        return tuple(v)
-
-    def int_lists(self, key: str, default=_MISSING) -> tuple[tuple[int, ...], ...]:
-        v = self.get(key, default)
-        ok = isinstance(v, (list, tuple)) and all(
-            isinstance(x, (list, tuple)) and all(isinstance(y, int) and not isinstance(y, bool) for y in x)
-            for x in v)
-        if not ok:
-            raise ModelDirError(self.file, f"{self._path(key)} must be a list of integer lists, got {v!r}")
-        return tuple(tuple(x) for x in v)
-
-
 def qwen2_dims_from_config(config: Mapping[str, Any], file: str = QWEN_CONFIG) -> Qwen2Dims:
-    c = _Cfg(config, file)
-    rope = config.get("rope_parameters") or {}
-    rope_theta = c.float("rope_theta") if "rope_theta" in config or "rope_theta" not in rope \
-        else _Cfg(rope, file, "rope_parameters").float("rope_theta")
-    d = Qwen2Dims(
-        hidden_size=c.int("hidden_size"),
-        intermediate_size=c.int("intermediate_size"),
-        num_layers=c.int("num_hidden_layers"),
-        num_heads=c.int("num_attention_heads"),
-        num_kv_heads=c.int("num_key_value_heads", config.get("num_attention_heads", _MISSING)),
-        rms_norm_eps=c.float("rms_norm_eps"),
-        rope_theta=rope_theta,
-        vocab_size=c.int("vocab_size"),
-        max_position_embeddings=c.int("max_position_embeddings"),
-    )
+    d = read_qwen_dims(config, file)
     if d.hidden_size % d.num_heads or d.num_heads % d.num_kv_heads:
         raise ModelDirError(file, f"hidden_size {d.hidden_size}, num_attention_heads {d.num_heads} and "
                                   f"num_key_value_heads {d.num_kv_heads} are not divisible")
@@ -147,113 +51,8 @@ def qwen2_dims_from_config(config: Mapping[str, Any], file: str = QWEN_CONFIG) -
 
 
 def model_dims_from_recipe(recipe: Mapping[str, Any], qwen: Qwen2Dims, file: str = YAML_FILE) -> ModelDims:
-    """Typed `ModelDims` from a resolved `cosyvoice2.yaml` recipe and the backbone shape."""
-    top = _Cfg(recipe, file)
-    llm = top.sub("llm", "Qwen2LM")
-    sampling = llm.sub("sampling")
-    flow = top.sub("flow", "CausalMaskedDiffWithXvec")
-    enc = flow.sub("encoder", "UpsampleConformerEncoder")
-    dec = flow.sub("decoder", "CausalConditionalCFM")
-    est = dec.sub("estimator", "CausalConditionalDecoder")
-    cfm = dec.sub("cfm_params")
-    if "content" in cfm.data:  # !new:omegaconf.DictConfig {content: {...}}
-        cfm = cfm.sub("content")
-    hift = top.sub("hift", "HiFTGenerator")
-    f0 = hift.sub("f0_predictor", "ConvRNNF0Predictor")
-    istft = hift.sub("istft_params")
-    feat = top.sub("feat_extractor")
-
-    lm_defaults, enc_defaults, cfm_defaults = LMDims(), EncoderDims(), CFMParams()
-    flow_pre = flow.int("pre_lookahead_len")
-    dims = ModelDims(
-        sample_rate=top.int("sample_rate"),
-        token_frame_rate=top.int("token_frame_rate"),
-        token_mel_ratio=top.int("token_mel_ratio"),
-        chunk_size=top.int("chunk_size"),
-        lm=LMDims(
-            qwen=qwen,
-            llm_input_size=llm.int("llm_input_size"),
-            llm_output_size=llm.int("llm_output_size"),
-            speech_token_size=llm.int("speech_token_size"),
-            mix_ratio=llm.ints("mix_ratio", list(lm_defaults.mix_ratio)),
-            min_token_text_ratio=llm.float("min_token_text_ratio", lm_defaults.min_token_text_ratio),
-            max_token_text_ratio=llm.float("max_token_text_ratio", lm_defaults.max_token_text_ratio),
-        ),
-        sampling=RASParams(
-            top_p=sampling.float("top_p"), top_k=sampling.int("top_k"),
-            win_size=sampling.int("win_size"), tau_r=sampling.float("tau_r"),
-        ),
-        flow=FlowDims(
-            input_size=flow.int("input_size"),
-            output_size=flow.int("output_size"),
-            spk_embed_dim=flow.int("spk_embed_dim"),
-            vocab_size=flow.int("vocab_size"),
-            token_mel_ratio=flow.int("token_mel_ratio"),
-            pre_lookahead_len=flow_pre,
-            input_frame_rate=flow.int("input_frame_rate"),
-            encoder=EncoderDims(
-                input_size=enc.int("input_size"),
-                output_size=enc.int("output_size"),
-                attention_heads=enc.int("attention_heads"),
-                linear_units=enc.int("linear_units"),
-                num_blocks=enc.int("num_blocks"),
-                num_up_blocks=enc.int("num_up_blocks", enc_defaults.num_up_blocks),
-                static_chunk_size=enc.int("static_chunk_size"),
-                pre_lookahead_len=enc.int("pre_lookahead_len", flow_pre),
-                upsample_stride=enc.int("upsample_stride", enc_defaults.upsample_stride),
-            ),
-            estimator=EstimatorDims(
-                in_channels=est.int("in_channels"),
-                out_channels=est.int("out_channels"),
-                channels=est.ints("channels"),
-                attention_head_dim=est.int("attention_head_dim"),
-                n_blocks=est.int("n_blocks"),
-                num_mid_blocks=est.int("num_mid_blocks"),
-                num_heads=est.int("num_heads"),
-                act_fn=est.str("act_fn"),
-                static_chunk_size=est.int("static_chunk_size"),
-            ),
-            cfm=CFMParams(
-                sigma_min=cfm.float("sigma_min"),
-                t_scheduler=cfm.str("t_scheduler"),
-                inference_cfg_rate=cfm.float("inference_cfg_rate"),
-                n_timesteps=cfm.int("n_timesteps", cfm_defaults.n_timesteps),
-                noise_frames=cfm.int("noise_frames", cfm_defaults.noise_frames),
-            ),
-        ),
-        hift=HiFTDims(
-            in_channels=hift.int("in_channels"),
-            base_channels=hift.int("base_channels"),
-            nb_harmonics=hift.int("nb_harmonics"),
-            sampling_rate=hift.int("sampling_rate"),
-            nsf_alpha=hift.float("nsf_alpha"),
-            nsf_sigma=hift.float("nsf_sigma"),
-            nsf_voiced_threshold=hift.float("nsf_voiced_threshold"),
-            upsample_rates=hift.ints("upsample_rates"),
-            upsample_kernel_sizes=hift.ints("upsample_kernel_sizes"),
-            istft_n_fft=istft.int("n_fft"),
-            istft_hop_len=istft.int("hop_len"),
-            resblock_kernel_sizes=hift.ints("resblock_kernel_sizes"),
-            resblock_dilation_sizes=hift.int_lists("resblock_dilation_sizes"),
-            source_resblock_kernel_sizes=hift.ints("source_resblock_kernel_sizes"),
-            source_resblock_dilation_sizes=hift.int_lists("source_resblock_dilation_sizes"),
-            lrelu_slope=hift.float("lrelu_slope"),
-            audio_limit=hift.float("audio_limit"),
-            f0_num_class=f0.int("num_class"),
-            f0_in_channels=f0.int("in_channels"),
-            f0_cond_channels=f0.int("cond_channels"),
-        ),
-        feat=MelDims(
-            n_fft=feat.int("n_fft"),
-            num_mels=feat.int("num_mels"),
-            sampling_rate=feat.int("sampling_rate"),
-            hop_size=feat.int("hop_size"),
-            win_size=feat.int("win_size"),
-            fmin=feat.float("fmin"),
-            fmax=feat.opt_float("fmax"),
-            center=feat.bool("center"),
-        ),
-    )
+    """Typed `ModelDims` from a resolved `cosyvoice2.yaml` recipe and the backbone shape (`dims_map.py`)."""
+    dims = read_dims(recipe, qwen, file)
     _check_consistency(dims, file)
     return dims
 
@@ -412,10 +211,9 @@ class ModelDir:
 
     def tokenizer(self):
         """The CosyVoice2 `TextTokenizer` of this directory (cached per directory)."""
-        from async_cosyvoice.frontend.tokenizer import TextTokenizer, TokenizerError
         try:
             return TextTokenizer.from_dir(self.blank_en_dir)
-        except TokenizerError as e:
+        except ModelDirError as e:
             file = BLANK_EN_DIR if e.file == BLANK_EN_DIR else f"{BLANK_EN_DIR}/{e.file}"
             raise ModelDirError(file, e.message) from e
 
@@ -510,13 +308,3 @@ def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = 
         del sd
         built.append(module.to(device=device, dtype=mod_dtype).eval())
     return Models(*built)
-
-
-@functools.lru_cache(maxsize=4)
-def _cached_model_dir(resolved: str) -> ModelDir:
-    return load_model_dir(resolved)
-
-
-def cached_model_dir(path: str | Path) -> ModelDir:
-    """`load_model_dir` memoized per resolved path (the directory is treated as immutable)."""
-    return _cached_model_dir(str(Path(path).expanduser().resolve()))

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from async_cosyvoice.model_dir_error import ModelDirError
+from async_cosyvoice.errors import ModelDirError
 
 YAML_FILE = "cosyvoice2.yaml"  # the recipe of an official CosyVoice2 model directory
 

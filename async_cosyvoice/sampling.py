@@ -169,35 +169,11 @@ def ras_log_probs(scores: Tensor, history: Tensor, top_p=0.8, top_k=25, win_size
     return prob.log()
 
 
-# ---------------------------------------------------------------- logit rules (whisper style)
-
-class LogitRule:
-    def apply(self, logits: Tensor, decoded: Sequence[int]) -> None:
-        """Edit one row of logits [V] in place given the tokens decoded so far."""
-        raise NotImplementedError
-
-
-class SuppressEOSBeforeMinLen(LogitRule):
-    """Upstream masks only EOS (6561), not the other stop ids, while fewer than min_len are out."""
-
-    def __init__(self, min_len: int):
-        self.min_len = min_len
-
-    def apply(self, logits: Tensor, decoded: Sequence[int]) -> None:
-        if len(decoded) < self.min_len:
-            logits[EOS_TOKEN] = NEG_INF
-
-
-class SuppressStopTokens(LogitRule):
-    """Benchmarks (`ignore_stop_tokens`): never end early."""
-
-    def apply(self, logits: Tensor, decoded: Sequence[int]) -> None:
-        logits[list(STOP_TOKENS)] = NEG_INF
-
+# ---------------------------------------------------------------- stop rules (both engines)
 
 def suppress_batch(logits: Tensor, n_decoded: Tensor, min_tokens: Tensor, ignore_stop: Tensor) -> Tensor:
-    """Batched form of both rules on logits [B, V] (in place): EOS where n_decoded < min_tokens,
-    every stop id where ignore_stop."""
+    """On logits [B, V] (in place): EOS (6561 only, as upstream) where n_decoded < min_tokens; every
+    stop id where ignore_stop (benchmarks: never end early)."""
     logits[:, EOS_TOKEN].masked_fill_(n_decoded < min_tokens, NEG_INF)
     logits[:, STOP_LO:STOP_HI + 1].masked_fill_(ignore_stop[:, None], NEG_INF)
     return logits

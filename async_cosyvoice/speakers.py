@@ -27,19 +27,18 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .errors import InvalidRequest, SpeakerExists, SpeakerNotFound
+from .frontend.spk2info import load_spk2info, save_spk2info
+from .request import Voice, VoiceKind
 
 log = logging.getLogger(__name__)
 
-SpeakerKind = Literal["zero_shot", "sft"]
-KINDS: tuple[str, ...] = ("zero_shot", "sft")
 
 MAX_ID_LENGTH = 64
 _ID_CHARS = re.compile(r"[A-Za-z0-9_.\-]")
@@ -51,7 +50,6 @@ SUFFIX = ".safetensors"
 _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".lock"
 _WRITE_BLOCK = 1 << 20
-N_MELS = 80
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -85,7 +83,7 @@ def speaker_file_name(speaker_id: str) -> str:
 class SpeakerInfo:
     """What listing shows: the record without its arrays (read from the file header only)."""
     speaker_id: str
-    kind: SpeakerKind
+    kind: VoiceKind
     prompt_text: str
     n_speech_tokens: int
     created_at: float  # unix seconds
@@ -93,87 +91,47 @@ class SpeakerInfo:
 
 @dataclass(frozen=True, eq=False)
 class SpeakerRecord:
-    """One registered voice.
+    """A registered speaker: a validated `Voice` plus its id and creation time.
 
-    zero_shot: everything the zero-shot and instruct2 modes need (upstream `add_zero_shot_spk`).
-    sft: the embedding only (upstream `spk2info` entries `{"embedding": ...}`); the prompt arrays
-    are empty. Arrays are coerced to the documented dtypes and made read-only.
+    zero_shot voices carry everything the zero-shot and instruct2 modes need (upstream
+    `add_zero_shot_spk`); sft voices the embedding only (upstream `spk2info` `{"embedding": ...}`).
     """
     speaker_id: str
-    kind: SpeakerKind
-    prompt_text: str
-    prompt_text_tokens: np.ndarray   # int32 [L]
-    speech_tokens: np.ndarray        # int32 [P]
-    speech_feat: np.ndarray          # float32 [2P, 80] (24 kHz mel)
-    embedding: np.ndarray            # float32 [192] (campplus)
+    voice: Voice
     created_at: float = field(default_factory=time.time)
 
     def __post_init__(self):
         validate_speaker_id(self.speaker_id)
-        if self.kind not in KINDS:
-            raise InvalidRequest(f"speaker kind must be one of {KINDS}, got {self.kind!r}")
-        if not isinstance(self.prompt_text, str):
-            raise InvalidRequest("prompt_text must be a string")
-        arrays = {
-            "prompt_text_tokens": (self.prompt_text_tokens, np.int32, 1),
-            "speech_tokens": (self.speech_tokens, np.int32, 1),
-            "speech_feat": (self.speech_feat, np.float32, 2),
-            "embedding": (self.embedding, np.float32, 1),
-        }
-        for name, (value, dtype, ndim) in arrays.items():
-            arr = np.asarray(value)
-            if arr.size == 0 and arr.ndim != ndim:
-                arr = arr.reshape((0,) * (ndim - 1) + ((0,) if ndim == 1 else (N_MELS,)))
-            if arr.ndim != ndim:
-                raise InvalidRequest(f"speaker {self.speaker_id!r}: {name} must have {ndim} "
-                                     f"dimension(s), got shape {arr.shape}")
-            if arr.dtype != dtype:
-                if np.issubdtype(dtype, np.integer) and not np.issubdtype(arr.dtype, np.integer):
-                    raise InvalidRequest(f"speaker {self.speaker_id!r}: {name} must be integer, "
-                                         f"got {arr.dtype}")
-                arr = arr.astype(dtype)
-            arr = np.array(arr, dtype=dtype, order="C", copy=True)
-            arr.flags.writeable = False
-            object.__setattr__(self, name, arr)
-        if self.embedding.size == 0:
-            raise InvalidRequest(f"speaker {self.speaker_id!r}: embedding is empty")
-        if not np.all(np.isfinite(self.embedding)):
-            raise InvalidRequest(f"speaker {self.speaker_id!r}: embedding has non-finite values")
-        if self.speech_feat.shape[1] != N_MELS:
-            raise InvalidRequest(f"speaker {self.speaker_id!r}: speech_feat must be [frames, {N_MELS}], "
-                                 f"got {self.speech_feat.shape}")
-        if self.kind == "zero_shot":
-            if self.speech_tokens.size == 0:
-                raise InvalidRequest(f"zero_shot speaker {self.speaker_id!r} has no speech tokens")
-            if self.speech_feat.shape[0] != 2 * self.speech_tokens.size:
-                raise InvalidRequest(
-                    f"zero_shot speaker {self.speaker_id!r}: speech_feat has {self.speech_feat.shape[0]} "
-                    f"frames, expected 2 x {self.speech_tokens.size} speech tokens")
-        elif self.speech_tokens.size or self.speech_feat.size or self.prompt_text_tokens.size:
-            raise InvalidRequest(f"sft speaker {self.speaker_id!r} must carry the embedding only")
+        if not isinstance(self.voice, Voice):
+            raise InvalidRequest(f"speaker {self.speaker_id!r}: voice must be a Voice")
+        if self.voice.kind == "zero_shot" and not self.voice.is_aligned:
+            raise InvalidRequest(
+                f"zero_shot speaker {self.speaker_id!r}: speech_feat has {self.voice.speech_feat.shape[0]} "
+                f"frames, expected 2 x {self.voice.n_tokens} speech tokens")
         object.__setattr__(self, "created_at", float(self.created_at))
 
     @classmethod
-    def sft(cls, speaker_id: str, embedding: np.ndarray, created_at: float | None = None) -> "SpeakerRecord":
-        empty_i = np.zeros(0, np.int32)
-        return cls(speaker_id, "sft", "", empty_i, empty_i, np.zeros((0, N_MELS), np.float32),
-                   embedding, time.time() if created_at is None else created_at)
+    def sft(cls, speaker_id: str, embedding, created_at: float | None = None) -> "SpeakerRecord":
+        return cls(speaker_id, Voice.embedding_only(embedding), time.time() if created_at is None else created_at)
+
+    @property
+    def kind(self) -> str:
+        return self.voice.kind
+
+    @property
+    def prompt_text(self) -> str:
+        return self.voice.prompt_text
 
     @property
     def info(self) -> SpeakerInfo:
-        return SpeakerInfo(self.speaker_id, self.kind, self.prompt_text,
-                           int(self.speech_tokens.size), self.created_at)
+        return SpeakerInfo(self.speaker_id, self.kind, self.prompt_text, self.voice.n_tokens, self.created_at)
 
     def replace_id(self, speaker_id: str) -> "SpeakerRecord":
-        return SpeakerRecord(speaker_id, self.kind, self.prompt_text, self.prompt_text_tokens,
-                             self.speech_tokens, self.speech_feat, self.embedding, self.created_at)
+        return SpeakerRecord(speaker_id, self.voice, self.created_at)
 
     def same_data(self, other: "SpeakerRecord") -> bool:
-        """Equal ids, kinds, texts and arrays (created_at is not compared)."""
-        return (self.speaker_id == other.speaker_id and self.kind == other.kind
-                and self.prompt_text == other.prompt_text
-                and all(np.array_equal(getattr(self, n), getattr(other, n))
-                        for n in ("prompt_text_tokens", "speech_tokens", "speech_feat", "embedding")))
+        """Equal ids and voices (created_at is not compared)."""
+        return self.speaker_id == other.speaker_id and self.voice.same_data(other.voice)
 
     # ---- serialization (safetensors bytes; metadata is string -> string) ----
 
@@ -184,15 +142,12 @@ class SpeakerRecord:
             "speaker_id": self.speaker_id,
             "kind": self.kind,
             "prompt_text": self.prompt_text,
-            "n_speech_tokens": str(self.speech_tokens.size),
+            "n_speech_tokens": str(self.voice.n_tokens),
             "created_at": repr(self.created_at),
         }
-        return st_save({
-            "prompt_text_tokens": self.prompt_text_tokens,
-            "speech_tokens": self.speech_tokens,
-            "speech_feat": self.speech_feat,
-            "embedding": self.embedding,
-        }, metadata=metadata)
+        v = self.voice
+        return st_save({"prompt_text_tokens": v.prompt_text_tokens, "speech_tokens": v.speech_tokens,
+                        "speech_feat": v.speech_feat, "embedding": v.embedding}, metadata=metadata)
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str = "<bytes>") -> "SpeakerRecord":
@@ -201,8 +156,9 @@ class SpeakerRecord:
             arrays = st_load(data)
         except SafetensorError as e:
             raise ValueError(f"{source}: not a valid speaker file ({e})") from e
-        return cls(meta.speaker_id, meta.kind, meta.prompt_text, arrays["prompt_text_tokens"],
-                   arrays["speech_tokens"], arrays["speech_feat"], arrays["embedding"], meta.created_at)
+        voice = Voice(arrays["speech_tokens"], arrays["speech_feat"], arrays["embedding"], meta.prompt_text,
+                      arrays["prompt_text_tokens"], meta.kind)
+        return cls(meta.speaker_id, voice, meta.created_at)
 
 
 @dataclass(frozen=True)
@@ -474,19 +430,16 @@ class SpeakerStore:
         prompt transcript only as text need `tokenize` (the model's text tokenizer). All ids are
         validated and checked for existence before anything is written. Returns the imported ids.
         """
-        from .frontend import spk2info as upstream
-
         rename = dict(rename or {})
         records = []
-        for entry in upstream.load_spk2info(path):
-            key = entry.speaker_id
+        for key, voice in load_spk2info(path, tokenize).items():
             new_id = rename.get(key, key)
             try:
                 validate_speaker_id(new_id)
             except InvalidRequest as e:
                 raise InvalidRequest(f"{path}: entry {key!r} cannot be imported: {e}; "
                                      "map it to a valid id with rename") from None
-            records.append(record_from_entry(entry, new_id, tokenize))
+            records.append(SpeakerRecord(new_id, voice))
         if not overwrite:
             existing = [r.speaker_id for r in records if self.exists(r.speaker_id)]
             if existing:
@@ -499,26 +452,6 @@ class SpeakerStore:
     def export_spk2info(self, path: str | os.PathLike, speaker_ids: Iterable[str] | None = None) -> list[str]:
         """Write speakers (all by default) as an upstream-loadable `spk2info.pt` (keys = speaker
         ids). Returns the exported ids."""
-        from .frontend import spk2info as upstream
-
         ids = self.ids() if speaker_ids is None else [validate_speaker_id(i) for i in speaker_ids]
-        upstream.save_spk2info([self.get(i) for i in ids], path)
+        save_spk2info({i: self.get(i).voice for i in ids}, path)
         return ids
-
-
-def record_from_entry(entry, speaker_id: str | None = None,
-                      tokenize: Callable[[str], Sequence[int]] | None = None,
-                      created_at: float | None = None) -> SpeakerRecord:
-    """A `SpeakerRecord` from a `frontend.spk2info` entry (same field names)."""
-    speaker_id = entry.speaker_id if speaker_id is None else speaker_id
-    if entry.kind == "sft":
-        return SpeakerRecord.sft(speaker_id, entry.embedding, created_at)
-    tokens = entry.prompt_text_tokens
-    if tokens is None:
-        if tokenize is None:
-            raise InvalidRequest(f"speaker {entry.speaker_id!r} stores its prompt text only as a string; "
-                                 "importing it needs the model's text tokenizer")
-        tokens = np.asarray(list(tokenize(entry.prompt_text)), dtype=np.int32)
-    return SpeakerRecord(speaker_id, "zero_shot", entry.prompt_text, tokens, entry.speech_tokens,
-                         entry.speech_feat, entry.embedding,
-                         time.time() if created_at is None else created_at)

@@ -2,9 +2,10 @@
 
 Two halves, kept apart so a cross-stream batcher can run many streams' chunks together:
 
-- plan: `Token2WavStream` is one request's state (prompt, hop schedule, token offset, HiFT
-  caches). `next_job(tokens, llm_done)` says what to compute next, or None (wait for tokens).
-  It changes nothing; a job is applied to its stream exactly once, in order.
+- plan: `Token2WavStream` is one segment's state (prompt on the device, the speech tokens so far
+  in a growing buffer, hop schedule, token offset, HiFT caches). `append(tokens)` adds what the
+  LM produced; `next_job(llm_done)` says what to compute next, or None (wait for tokens). Planning
+  changes nothing; a job is applied to its stream exactly once, in order.
 - run: `Token2WavRunner.run_many(jobs)` computes jobs of many streams with a Flow and a HiFT module:
       flow mel  = Flow.forward over padded length groups (batched across streams)
       mel, cache = stream.hift_input(job, flow mel)      (pure)
@@ -42,6 +43,7 @@ from torch import Tensor
 from .flow_cache import SpeakerPrefixCache, chunk_floor, speaker_prefix_tokens
 from .models.flow.prefix import FlowState, Geometry
 from .models.hift import HiFT, NSFNoise
+from .request import ChunkTiming
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,7 @@ class Token2WavJob:
     hop: int                  # tokens this job renders (for the final job: all that remain)
     finalize: bool
     streaming: bool           # chunked (True) or full (False) attention in the flow
+    timing: ChunkTiming = field(default_factory=ChunkTiming, compare=False)  # filled by the utterance and the batcher
 
     @property
     def n_tokens(self) -> int:
@@ -135,64 +138,96 @@ class _HiFTCache:
 
 
 class Token2WavStream:
-    """One request's token2wav state. Not shared; dropped with the request."""
+    """One segment's token2wav state. Not shared; dropped with its Utterance.
+
+    Thread use: `append`, `next_job` and `after_chunk` run on the event loop; `hift_input` and
+    `finish` run in the token2wav device thread while the stream's one job is in flight, and
+    nothing else touches the stream then (a stream has at most one job in flight).
+    """
 
     def __init__(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, *, stream: bool = True,
                  schedule: ChunkSchedule = ChunkSchedule(), speed: float = 1.0, noise: NSFNoise | None = None,
-                 prompt_key: str | None = None):
+                 device: torch.device | str | None = None, prompt_key: str | None = None):
         """prompt_token (1, P) speech ids, prompt_feat (1, token_mel_ratio*P, 80) prompt mel,
-        embedding (1, 192) x-vector. noise: the NSF policy of every HiFT call (None: torch's
-        default RNG, like upstream)."""
+        embedding (1, 192) x-vector, moved to `device` once (the runner's device; None: left where
+        they are). noise: the NSF policy of every HiFT call (None: torch's default RNG, like
+        upstream). prompt_key: names a registered speaker's prompt (shared prompt state may be
+        cached under it); None for a prompt of this request only. Inputs are trusted: the
+        request rules (async_cosyvoice.rules) have checked speed and hops."""
         prompt_token = torch.as_tensor(prompt_token).reshape(1, -1).to(torch.int32)
         n_prompt = prompt_token.shape[1]
         if prompt_feat.dim() != 3 or prompt_feat.shape[0] != 1 or prompt_feat.shape[1] != schedule.token_mel_ratio * n_prompt:
             raise ValueError(f"prompt_feat must be (1, {schedule.token_mel_ratio * n_prompt}, 80) for {n_prompt} prompt "
                              f"tokens, got {tuple(prompt_feat.shape)}")
-        if not speed > 0:
-            raise ValueError(f"speed must be > 0, got {speed}")
-        if stream and speed != 1.0:
-            raise ValueError("speed != 1 is only supported without streaming")
-        self.prompt_token = prompt_token
-        self.prompt_feat = prompt_feat
-        self.embedding = embedding
+        self.prompt_token = prompt_token.to(device) if device is not None else prompt_token
+        self.prompt_feat = prompt_feat.to(device) if device is not None else prompt_feat
+        embedding = embedding.reshape(1, -1)
+        self.embedding = embedding.to(device) if device is not None else embedding
+        self.prompt_key = prompt_key
         self.stream = stream
         self.schedule = schedule
         self.speed = speed
         self.noise = noise
         self.pad = schedule.first_hop_pad(n_prompt) if stream else 0
-        self.hop = schedule.first_hop   # next non-first hop; doubles after each chunk
+        self.hop = schedule.first_hop   # next non-first hop; doubles (or adapts) after each chunk
         self.token_offset = 0
         self.chunks_done = 0
         self.samples_emitted = 0
         self.finished = False
+        self._tokens = torch.empty(64, dtype=torch.int32)  # CPU; grows by doubling, never re-packed
+        self._n = 0
         self._cache: _HiFTCache | None = None
-        self.prompt_key = prompt_key
         self.flow_state: FlowState | None = None  # the runner's: the exact flow state cache (flow_cache.py)
+
+    # -- the tokens
+
+    @property
+    def n_tokens(self) -> int:
+        return self._n
+
+    @property
+    def tokens(self) -> Tensor:
+        """(n_tokens,) int32: every target token so far (a view; later appends do not change it)."""
+        return self._tokens[:self._n]
+
+    def append(self, tokens: Sequence[int] | Tensor) -> None:
+        """Add speech tokens the LM produced."""
+        new = torch.as_tensor(tokens, dtype=torch.int32).reshape(-1)
+        n = self._n + new.numel()
+        if n > self._tokens.numel():
+            grown = torch.empty(max(n, 2 * self._tokens.numel()), dtype=torch.int32)
+            grown[:self._n] = self._tokens[:self._n]
+            self._tokens = grown
+        self._tokens[self._n:n] = new
+        self._n = n
 
     # -- plan
 
-    def next_job(self, tokens: Sequence[int] | Tensor, llm_done: bool) -> Token2WavJob | None:
-        """The next job given all target tokens so far, or None if it must wait for more.
-        Pure: calling it again before the job is finished returns the same job."""
+    def next_job(self, llm_done: bool) -> Token2WavJob | None:
+        """The next job given the tokens so far, or None if it must wait for more.
+        Pure: calling it again before the job is finished returns an equal job."""
         if self.finished:
             return None
-        if isinstance(tokens, Tensor):
-            tokens = tokens.reshape(-1)
-        n = len(tokens)
-        if n < self.token_offset:
-            raise ValueError(f"token list shrank: {n} tokens, {self.token_offset} already rendered")
+        n = self._n
         if self.stream:
             hop = self.hop + (self.pad if self.chunks_done == 0 else 0)
             end = self.token_offset + hop + self.schedule.pre_lookahead
             if n >= end:
-                return self._job(tokens, end, hop, finalize=False, streaming=True)
+                return self._job(end, hop, finalize=False, streaming=True)
         if not llm_done:
             return None
-        return self._job(tokens, n, n - self.token_offset, finalize=True, streaming=False)
+        return self._job(n, n - self.token_offset, finalize=True, streaming=False)
 
-    def _job(self, tokens, end: int, hop: int, finalize: bool, streaming: bool) -> Token2WavJob:
-        t = torch.as_tensor(tokens[:end]).to(torch.int32).reshape(1, -1)
-        return Token2WavJob(self, self.chunks_done, t, self.token_offset, hop, finalize, streaming)
+    def _job(self, end: int, hop: int, finalize: bool, streaming: bool) -> Token2WavJob:
+        return Token2WavJob(self, self.chunks_done, self._tokens[:end].reshape(1, -1), self.token_offset, hop,
+                            finalize, streaming)
+
+    def after_chunk(self, lead_s: float, chunk_s: float, token_s: float) -> None:
+        """Adapt the next hop to the listener (the service's adaptive schedule, `adaptive_hop`):
+        lead_s is audio sent but not yet played, chunk_s the last chunk's time in token2wav,
+        token_s the recent time per LM token."""
+        if not self.finished and self.stream:
+            self.hop = adaptive_hop(self.schedule, self.hop, self._n - self.token_offset, lead_s, chunk_s, token_s)
 
     # -- run (the model calls are the runner's)
 
@@ -419,28 +454,47 @@ class Token2WavRunner:
         """One padded Flow.forward over jobs -> each job's (1, 80, T_b) target mel (views into the batch)."""
         flow = self.flow
         n_context = flow.dims.pre_lookahead_len
-        seqs = [torch.cat([j.stream.prompt_token.reshape(-1).cpu(), j.tokens.reshape(-1).cpu()]) for j in jobs]
-        feats = [j.stream.prompt_feat[0] for j in jobs]
-        B, S, Fmax = len(jobs), max(len(q) for q in seqs), max(f.shape[0] for f in feats)
-        tokens = torch.zeros(B, S, dtype=torch.int32)
-        prompt_feat = torch.zeros(B, Fmax, feats[0].shape[1], dtype=feats[0].dtype)
-        for b, (q, f) in enumerate(zip(seqs, feats)):
-            tokens[b, :len(q)] = q
-            prompt_feat[b, :f.shape[0]] = f.cpu()
+        lengths = [j.stream.prompt_token.shape[1] + j.n_tokens for j in jobs]
+        tokens, prompt_feat, feat_lens, embedding = self._batch_inputs(jobs, [(0, n) for n in lengths])
         contexts = [0 if j.finalize else n_context for j in jobs]
-        token_lens = torch.tensor([len(q) - c for q, c in zip(seqs, contexts)])
+        token_lens = torch.tensor([n - c for n, c in zip(lengths, contexts)])
         flags = [j.streaming for j in jobs]
         streaming = flags[0] if len(set(flags)) == 1 else torch.tensor(flags)
-        embedding = torch.cat([j.stream.embedding.reshape(1, -1).cpu() for j in jobs])
-        mel, mel_lens = flow(tokens, token_lens, torch.tensor(contexts), prompt_feat,
-                             torch.tensor([f.shape[0] for f in feats]), embedding, streaming, estimator=self.estimator)
+        mel, mel_lens = flow(tokens, token_lens, torch.tensor(contexts), prompt_feat, feat_lens, embedding, streaming,
+                             estimator=self.estimator)
         mel_lens = mel_lens.tolist()
+        B = len(jobs)
         st = self.stats
         st.flow_calls += 1
         st.flow_items += B
         st.flow_frames += sum(mel_lens)
         st.flow_padded_frames += B * mel.shape[2]
-        return [mel[b:b + 1, :, f.shape[0]:mel_lens[b]] for b, f in enumerate(feats)]
+        return [mel[b:b + 1, :, j.stream.prompt_feat.shape[1]:mel_lens[b]] for b, j in enumerate(jobs)]
+
+    def _batch_inputs(self, jobs: Sequence[Token2WavJob], windows: Sequence[tuple[int, int]]
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Padded flow inputs on the device: tokens (B, S) int32 holding tokens [lo, hi) of each job's
+        prompt + target sequence, prompt_feat (B, F, 80), prompt_feat lengths (B,), embedding (B, 192).
+        The prompts stay on the device (copied there once per stream); the target tokens come from
+        the host."""
+        dev = self.device
+        B = len(jobs)
+        tokens = torch.zeros(B, max(hi - lo for lo, hi in windows), dtype=torch.int32, device=dev)
+        for b, (j, (lo, hi)) in enumerate(zip(jobs, windows)):
+            prompt = j.stream.prompt_token.reshape(-1)
+            P = prompt.numel()
+            if lo < P:
+                tokens[b, :min(hi, P) - lo] = prompt[lo:min(hi, P)]
+            if hi > P:
+                first = max(lo, P)
+                tokens[b, first - lo:hi - lo] = j.tokens.reshape(-1)[first - P:hi - P].to(dev, non_blocking=True)
+        feats = [j.stream.prompt_feat[0] for j in jobs]
+        prompt_feat = torch.zeros(B, max(f.shape[0] for f in feats), feats[0].shape[1], dtype=feats[0].dtype, device=dev)
+        for b, f in enumerate(feats):
+            prompt_feat[b, :f.shape[0]] = f
+        feat_lens = torch.tensor([f.shape[0] for f in feats], device=dev)
+        embedding = torch.cat([j.stream.embedding.reshape(1, -1).to(dev) for j in jobs])
+        return tokens, prompt_feat, feat_lens, embedding
 
     # -- the exact flow state cache (flow_cache.py)
 
@@ -491,19 +545,11 @@ class Token2WavRunner:
         ends = [start + n for start, (_, n, _) in zip(starts, plans)]
         g = Geometry(starts, ends, [keep for _, _, keep in plans], dev)
         B = len(jobs)
-        tokens = torch.zeros(B, g.N + n_context, dtype=torch.int32)
-        feats = [j.stream.prompt_feat[0] for j in jobs]
-        prompt_feat = torch.zeros(B, max(f.shape[0] for f in feats), feats[0].shape[1], dtype=feats[0].dtype)
-        for b, j in enumerate(jobs):
-            seq = torch.cat([j.stream.prompt_token.reshape(-1).cpu(), j.tokens.reshape(-1).cpu()])
-            window = seq[starts[b]:ends[b] + n_context]
-            tokens[b, :len(window)] = window
-            prompt_feat[b, :feats[b].shape[0]] = feats[b].cpu()
-        embedding = torch.cat([j.stream.embedding.reshape(1, -1).cpu() for j in jobs])
-        mel, states = flow.forward_cached(tokens.to(dev), g, prompt_feat.to(dev),
-                                          torch.tensor([f.shape[0] for f in feats], device=dev),
-                                          embedding.to(dev), [state for state, _, _ in plans],
-                                          [0 if j.finalize else n_context for j in jobs])
+        contexts = [0 if j.finalize else n_context for j in jobs]
+        tokens, prompt_feat, feat_lens, embedding = self._batch_inputs(
+            jobs, [(s, e + c) for s, e, c in zip(starts, ends, contexts)])
+        mel, states = flow.forward_cached(tokens, g, prompt_feat, feat_lens, embedding,
+                                          [state for state, _, _ in plans], contexts)
         st = self.stats
         st.flow_calls += 1
         st.flow_items += B
@@ -576,8 +622,9 @@ class Token2WavRunner:
         return outs
 
     def render(self, stream: Token2WavStream, tokens: Sequence[int] | Tensor) -> list[Tensor]:
-        """Every chunk of a stream whose tokens are all known (LLM done), in order."""
+        """Append the rest of a stream's tokens (LLM done) and compute every chunk, in order."""
+        stream.append(tokens)
         chunks = []
-        while (job := stream.next_job(tokens, llm_done=True)) is not None:
+        while (job := stream.next_job(llm_done=True)) is not None:
             chunks.append(self.run(job))
         return chunks

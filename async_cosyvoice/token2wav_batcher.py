@@ -12,6 +12,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -87,6 +88,9 @@ class Token2WavBatcher:
             self._wake.clear()
             while batch := self._take_batch():
                 jobs = [p.job for p in batch]
+                started = time.monotonic()
+                for job in jobs:
+                    job.timing.started = started
                 try:
                     outs = await loop.run_in_executor(self._executor, self.runner.run_many, jobs)
                 except Exception as e:  # a failed batch fails its callers, not the batcher

@@ -39,6 +39,7 @@ def sync(device: torch.device) -> None:
 
 class Workload:
     def __init__(self, args, device):
+        self.device = device
         g = torch.Generator().manual_seed(0)
         self.prompt_token = torch.randint(0, 6561, (1, args.prompt_tokens), generator=g, dtype=torch.int32)
         self.prompt_feat = torch.randn(1, 2 * args.prompt_tokens, 80, generator=g) - 5
@@ -48,14 +49,16 @@ class Workload:
 
     def streams(self, n: int) -> list[Token2WavStream]:
         return [Token2WavStream(self.prompt_token, self.prompt_feat, self.embedding, schedule=self.schedule,
-                                noise=NSFNoise.zero(), prompt_key="speaker") for _ in range(n)]
+                                noise=NSFNoise.zero(), device=self.device, prompt_key="speaker") for _ in range(n)]
 
 
 def lockstep(runner: Token2WavRunner, streams, tokens, device, flow_only: bool):
     """Every stream's chunks, one batched call per round. Returns per round (ms, frames computed per
     stream, frames read from cache per stream, streams), and the largest per-stream state seen."""
     rounds, peak_state = [], 0
-    while jobs := [j for s, t in zip(streams, tokens) if (j := s.next_job(t, llm_done=True)) is not None]:
+    for s, t in zip(streams, tokens):
+        s.append(t)
+    while jobs := [j for s in streams if (j := s.next_job(llm_done=True)) is not None]:
         st = runner.stats
         frames, cached = st.flow_frames, st.flow_cached_frames
         sync(device)

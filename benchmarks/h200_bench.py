@@ -45,7 +45,7 @@ import torch
 
 from async_cosyvoice import bench
 from async_cosyvoice.config import Config
-from async_cosyvoice.tools.make_random_model import make_random_model
+from async_cosyvoice.random_model import make_random_model
 
 FULL = dict(levels=[1, 2, 4, 8, 16, 32, 64], requests={1: 4, 2: 4, 4: 8, 8: 16, 16: 32, 32: 64, 64: 128},
             tokens=250, prompt_seconds=6.0, offline_requests=256, offline_concurrency=128, t2w_concurrency=32,

@@ -32,12 +32,14 @@ def main(args) -> None:
     schedule = ChunkSchedule(first_hop=15, prompt_align=1)
 
     def stream(noise=None) -> Token2WavStream:
-        return Token2WavStream(prompt_token, prompt_feat, embedding, stream=True, schedule=schedule,
-                               noise=noise or NSFNoise.zero())
+        s = Token2WavStream(prompt_token, prompt_feat, embedding, stream=True, schedule=schedule,
+                            noise=noise or NSFNoise.zero())
+        s.append(tokens)
+        return s
 
     for rep in range(args.repeats):
         s, times = stream(), []
-        while (job := s.next_job(tokens, llm_done=True)) is not None:
+        while (job := s.next_job(llm_done=True)) is not None:
             sync(args.device)
             t = time.perf_counter()
             runner.run(job)
@@ -46,7 +48,7 @@ def main(args) -> None:
         print(f"utterance {rep}: chunk ms {times}", flush=True)
 
     s = stream()
-    job = s.next_job(tokens, llm_done=True)
+    job = s.next_job(llm_done=True)
     sync(args.device)
     t = time.perf_counter()
     mel = runner.flow_mels([job])[0]
@@ -59,7 +61,7 @@ def main(args) -> None:
     print(f"first chunk: flow {t_flow * 1000:.1f} ms, HiFT {(time.perf_counter() - t) * 1000:.1f} ms")
 
     s = stream()
-    job = s.next_job(tokens, llm_done=True)
+    job = s.next_job(llm_done=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
         runner.run(job)

@@ -1,7 +1,7 @@
 """gRPC service for async_cosyvoice: protocol stubs, server, async client.
 
 `pb2` and `pb2_grpc` are the message and service modules generated from
-protos/cosyvoice.proto (see `_stubs`). The server lives in `grpc_async.server`, the client in
+protos/cosyvoice/v1/cosyvoice.proto (see `_stubs`). The server lives in `grpc_async.server`, the client in
 `grpc_async.client`; import them explicitly (the server pulls in the model code).
 """
 from ._stubs import SERVICE_NAME

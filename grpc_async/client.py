@@ -1,21 +1,35 @@
 """Async client for the CosyVoice gRPC service, and the `async-cosyvoice client` CLI.
 
-    async with CosyVoiceClient("127.0.0.1:50051") as client:
-        await client.register_speaker("alice", "transcript of the prompt", "prompt.wav")
-        audio, rate = await collect(client.synthesize("Hello there.", speaker_id="alice"))
+    import asyncio
+    from grpc_async.client import CosyVoiceClient, collect
 
-`synthesize` picks the mode from what it is given (see `infer_mode`) unless `mode` is set.
+    async def main():
+        async with CosyVoiceClient("127.0.0.1:50051") as client:
+            info = await client.get_server_info()
+            await client.register_speaker("alice", "transcript of the prompt", "prompt.wav",
+                                          overwrite=True)
+            result = await collect(client.synthesize("Hello there.", speaker_id="alice"))
+            print(f"{len(result.audio) / result.sample_rate:.2f} s of audio from {info.model}")
+            ogg = await collect(client.synthesize("Hello there.", speaker_id="alice", encoding="opus"))
+            open("hello.opus", "wb").write(ogg.data)      # compressed: the file's bytes
+
+    asyncio.run(main())
+
+`synthesize` picks the mode from what it is given (see `infer_mode`) unless `mode` is set. The
+default encoding is the server's (PCM16; `encoding=None` leaves it UNSPECIFIED).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterable, AsyncIterator, Iterable, Sequence, Union
 
+import av
 import grpc
 import numpy as np
 
@@ -31,7 +45,11 @@ WAV_HEADER_BYTES = 44
 AudioInput = Union[str, os.PathLike, bytes, tuple, "pb2.AudioData"]
 
 ENCODINGS = {"pcm16": pb2.AUDIO_ENCODING_PCM16, "float32": pb2.AUDIO_ENCODING_FLOAT32,
-             "wav": pb2.AUDIO_ENCODING_WAV}
+             "wav": pb2.AUDIO_ENCODING_WAV, "opus": pb2.AUDIO_ENCODING_OPUS, "mp3": pb2.AUDIO_ENCODING_MP3,
+             "aac": pb2.AUDIO_ENCODING_AAC, "flac": pb2.AUDIO_ENCODING_FLAC,
+             "webm": pb2.AUDIO_ENCODING_WEBM_OPUS}
+RAW_ENCODINGS = (pb2.AUDIO_ENCODING_PCM16, pb2.AUDIO_ENCODING_FLOAT32, pb2.AUDIO_ENCODING_WAV)
+FILE_SUFFIXES = {"opus": ".opus", "mp3": ".mp3", "aac": ".aac", "flac": ".flac", "webm": ".webm"}
 MODES = ("zero_shot", "cross_lingual", "instruct2", "sft", "zero_shot_by_spk_id",
          "instruct2_by_spk_id", "vc")
 
@@ -91,10 +109,13 @@ def _voice(mode: str, *, speaker_id, prompt_audio, prompt_text, instruct_text, s
 
 
 def options(*, stream: bool = False, speed: float | None = None, text_frontend: bool | None = None,
-            encoding: str | int = "float32", sample_rate: int = 0, seed: int | None = None,
+            encoding: str | int | None = None, sample_rate: int = 0, seed: int | None = None,
             max_tokens: int | None = None) -> pb2.SynthesisOptions:
+    """SynthesisOptions; `encoding` None leaves the server's default (PCM16)."""
+    if isinstance(encoding, str) and encoding not in ENCODINGS:
+        raise ValueError(f"unknown encoding {encoding}; one of {', '.join(ENCODINGS)}")
     o = pb2.SynthesisOptions(stream=stream, sample_rate=sample_rate,
-                             encoding=ENCODINGS[encoding] if isinstance(encoding, str) else encoding)
+                             encoding=ENCODINGS[encoding] if isinstance(encoding, str) else encoding or 0)
     if speed is not None:
         o.speed = speed
     if text_frontend is not None:
@@ -107,7 +128,11 @@ def options(*, stream: bool = False, speed: float | None = None, text_frontend: 
 
 
 def chunk_samples(chunk: pb2.AudioChunk) -> np.ndarray:
-    """The float32 samples of one chunk (WAV header stripped)."""
+    """The float32 samples of one PCM16/FLOAT32/WAV chunk (WAV header stripped). Compressed
+    chunks are pieces of one stream: `collect` the response and use `Synthesis.audio`."""
+    if chunk.encoding not in RAW_ENCODINGS:
+        raise ValueError(f"{pb2.AudioEncoding.Name(chunk.encoding)} chunks are not samples; decode the "
+                         "concatenated stream (collect(...).audio)")
     data = chunk.audio
     if chunk.encoding == pb2.AUDIO_ENCODING_FLOAT32:
         return np.frombuffer(data, dtype="<f4").astype(np.float32)
@@ -116,28 +141,48 @@ def chunk_samples(chunk: pb2.AudioChunk) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
 
 
+def decode_stream(data: bytes) -> tuple[np.ndarray, int]:
+    """Mono float32 samples and their rate from a whole compressed stream (Ogg/WebM Opus, MP3,
+    AAC, FLAC), decoded by FFmpeg (PyAV). Opus decodes at 48 kHz whatever rate was encoded."""
+    to_float = av.AudioResampler(format="flt", layout="mono")
+    parts, rate = [], 0
+    with av.open(io.BytesIO(data)) as container:
+        for frame in container.decode(audio=0):
+            rate = frame.sample_rate
+            parts += [f.to_ndarray().reshape(-1) for f in to_float.resample(frame)]
+    parts += [f.to_ndarray().reshape(-1) for f in to_float.resample(None)]
+    return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), rate
+
+
 @dataclass
 class Synthesis:
-    audio: np.ndarray           # float32 mono
-    sample_rate: int
+    audio: np.ndarray           # float32 mono (compressed encodings: decoded)
+    sample_rate: int            # of `audio`
     chunks: int
     summary: pb2.SynthesisSummary
+    encoding: int = pb2.AUDIO_ENCODING_PCM16
+    data: bytes = b""           # the concatenated `audio` bytes as sent (a file for WAV/compressed)
 
 
 async def collect(chunks: AsyncIterable[pb2.AudioChunk]) -> Synthesis:
-    """Gather a response's chunks into one array (checks indices and the final marker)."""
-    parts, rate, n, summary = [], 0, 0, pb2.SynthesisSummary()
+    """Gather a response's chunks (checks indices and the final marker); decodes compressed audio."""
+    data, rate, n, summary, encoding = [], 0, 0, pb2.SynthesisSummary(), pb2.AUDIO_ENCODING_PCM16
     async for chunk in chunks:
         if chunk.index != n:
             raise RuntimeError(f"chunk {chunk.index} arrived, expected {n}")
-        parts.append(chunk_samples(chunk))
-        rate = chunk.sample_rate
+        data.append(chunk.audio)
+        rate, encoding = chunk.sample_rate, chunk.encoding
         n += 1
         if chunk.is_final:
             summary = chunk.summary
     if not n:
         raise RuntimeError("the server sent no audio")
-    return Synthesis(np.concatenate(parts), rate, n, summary)
+    stream = b"".join(data)
+    if encoding in RAW_ENCODINGS:
+        parts = [chunk_samples(pb2.AudioChunk(audio=d, encoding=encoding, index=i)) for i, d in enumerate(data)]
+        return Synthesis(np.concatenate(parts), rate, n, summary, encoding, stream)
+    audio, decoded_rate = decode_stream(stream)
+    return Synthesis(audio, decoded_rate or rate, n, summary, encoding, stream)
 
 
 def fix_wav_sizes(data: bytes) -> bytes:
@@ -223,7 +268,8 @@ class CosyVoiceClient:
                          **kwargs) -> AsyncIterator[pb2.AudioChunk]:
         """Chunks of one synthesis. Keyword arguments: the voice (mode, speaker_id, prompt_audio,
         prompt_text, instruct_text, source_audio), options (stream, speed, text_frontend, encoding
-        'pcm16'|'float32'|'wav', sample_rate, seed) and request_id. Leaving the loop early (or
+        (a key of ENCODINGS; None = the server's PCM16), sample_rate, seed, max_tokens) and
+        request_id. Leaving the loop early (or
         cancelling) cancels the RPC, which stops the work on the server."""
         request = kwargs.pop("request", None) or self.synthesize_request(text, **kwargs)
         call = self.stub.Synthesize(request, timeout=timeout, metadata=self._md(metadata))
@@ -293,6 +339,9 @@ class CosyVoiceClient:
         await self.stub.DeleteSpeaker(pb2.DeleteSpeakerRequest(speaker_id=speaker_id),
                                       timeout=timeout, metadata=self._md())
 
+    async def get_server_info(self, timeout: float | None = None) -> pb2.GetServerInfoResponse:
+        return await self.stub.GetServerInfo(pb2.GetServerInfoRequest(), timeout=timeout, metadata=self._md())
+
 
 # ---------------------------------------------------------------------------------------------
 # CLI: async-cosyvoice client ...
@@ -333,7 +382,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-text-frontend", action="store_true", help="skip text normalization")
     s.add_argument("--sample-rate", type=int, default=0, help="output rate (default: native 24000)")
     s.add_argument("--seed", type=int)
-    s.add_argument("--out", required=True, help="output .wav")
+    s.add_argument("--max-tokens", type=int, help="generate exactly this many speech tokens per "
+                   "segment, ignoring EOS (benchmarks; capped by the server's limits.max_forced_tokens)")
+    s.add_argument("--encoding", choices=ENCODINGS, default="pcm16",
+                   help="what the server sends (default pcm16, the server's default; the raw ones are "
+                        "written as a 16-bit .wav); "
+                        "opus/webm/mp3/aac/flac are written to --out as they arrive, e.g. out.opus")
+    s.add_argument("--out", required=True, help="output file (.wav for pcm16/float32/wav)")
 
     r = sub.add_parser("register", help="register a speaker from prompt audio")
     r.add_argument("--speaker", required=True)
@@ -364,13 +419,17 @@ async def _run(args) -> int:
                         prompt_text=args.prompt_text, instruct_text=args.instruct, source_audio=args.source_wav,
                         stream=args.stream, speed=args.speed,
                         text_frontend=False if args.no_text_frontend else None,
-                        encoding="float32", sample_rate=args.sample_rate, seed=args.seed, timeout=args.timeout):
+                        encoding=args.encoding, sample_rate=args.sample_rate, seed=args.seed,
+                        max_tokens=args.max_tokens, timeout=args.timeout):
                     if first is None and chunk.num_samples:
                         first = loop.time() - t0
                     yield chunk
 
             result = await collect(timed())
-            write_wav(args.out, result.audio, result.sample_rate)
+            if result.encoding in RAW_ENCODINGS:
+                write_wav(args.out, result.audio, result.sample_rate)
+            else:
+                Path(args.out).write_bytes(result.data)
             s = result.summary
             print(f"wrote {args.out}: {len(result.audio) / result.sample_rate:.2f} s at {result.sample_rate} Hz, "
                   f"{result.chunks} chunk(s), {s.speech_tokens} speech tokens, first chunk "

@@ -1,96 +1,125 @@
-"""Audio out: float32 chunks at the model rate -> `AudioChunk` messages (encoding, resampling, chunking)."""
+"""Audio out over gRPC: `AudioEncoding` <-> the library's formats, encoded bytes -> `AudioChunk`s.
+
+The encoding itself (resampling, codecs, containers) is `async_cosyvoice.audio_encoding`; this
+module only numbers and sizes the messages. `AudioEncoder.push` does CPU work: the servicer calls
+it in a worker thread.
+"""
 from __future__ import annotations
 
 import dataclasses
-import struct
 
 import numpy as np
-import soxr
+
+from async_cosyvoice.audio_encoding import (MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, AudioStreamEncoder,
+                                            audio_format, check_sample_rate, float_to_pcm16, wav_header)
 
 from ._stubs import load as _load_stubs
 
 pb2, _ = _load_stubs()
 
+__all__ = ["AudioEncoder", "DEFAULT_ENCODING", "ENCODING_FORMATS", "MAX_CHUNK_BYTES", "float_to_pcm16", "wav_header"]
+
 MAX_CHUNK_BYTES = 1 << 20      # larger payloads are split over several AudioChunks
 
+# AudioEncoding value -> library format name (UNSPECIFIED is PCM16).
+ENCODING_FORMATS: dict[int, str] = {
+    pb2.AUDIO_ENCODING_UNSPECIFIED: "pcm",
+    pb2.AUDIO_ENCODING_PCM16: "pcm",
+    pb2.AUDIO_ENCODING_FLOAT32: "f32",
+    pb2.AUDIO_ENCODING_WAV: "wav",
+    pb2.AUDIO_ENCODING_OPUS: "opus",
+    pb2.AUDIO_ENCODING_MP3: "mp3",
+    pb2.AUDIO_ENCODING_AAC: "aac",
+    pb2.AUDIO_ENCODING_FLAC: "flac",
+    pb2.AUDIO_ENCODING_WEBM_OPUS: "webm",
+}
+DEFAULT_ENCODING = pb2.AUDIO_ENCODING_PCM16
+_BYTES_PER_SAMPLE = {"pcm": 2, "wav": 2, "f32": 4}   # raw formats; compressed ones have none
 
-def wav_header(num_samples: int | None, sample_rate: int) -> bytes:
-    """44-byte RIFF/WAVE header for mono PCM16. `None` samples: streaming, sizes 0xFFFFFFFF."""
-    if num_samples is None:
-        riff_size = data_size = 0xFFFFFFFF
-    else:
-        data_size = 2 * num_samples
-        riff_size = 36 + data_size
-    return struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", riff_size, b"WAVE", b"fmt ", 16, 1, 1,
-                       sample_rate, 2 * sample_rate, 2, 16, b"data", data_size)
+
+def encoding_info() -> list[pb2.AudioEncodingInfo]:
+    """What GetServerInfo says about each encoding (from the library's format table)."""
+    out = []
+    for encoding, name in ENCODING_FORMATS.items():
+        if encoding == pb2.AUDIO_ENCODING_UNSPECIFIED:
+            continue
+        fmt = audio_format(name)
+        rates = fmt.sample_rates or ()
+        out.append(pb2.AudioEncodingInfo(
+            encoding=encoding, content_type=fmt.content_type, sample_rates=rates,
+            min_sample_rate=min(rates) if rates else MIN_SAMPLE_RATE,
+            max_sample_rate=max(rates) if rates else MAX_SAMPLE_RATE, bitrate=fmt.bitrate or 0))
+    return out
 
 
-def float_to_pcm16(x: np.ndarray) -> bytes:
-    return (np.clip(x, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+def check_output(encoding: int, sample_rate: int) -> None:
+    """InvalidRequest when `encoding` cannot be produced at `sample_rate` (message names the rates)."""
+    check_sample_rate(audio_format(ENCODING_FORMATS[encoding]), sample_rate)
 
 
 class AudioEncoder:
     """Float32 chunks at the model rate -> AudioChunk messages in the requested encoding and rate.
 
-    Resampling is one soxr stream per response, so chunk boundaries are seamless and the total
-    length is round(n * out_rate / in_rate). `sample_offset` and `num_samples` count samples at
-    the output rate. WAV non-stream collects everything so the header carries exact sizes.
+    `sample_offset` and `num_samples` count samples at the output rate. For raw encodings a
+    chunk's `num_samples` are exactly its samples; for compressed ones they are the samples fed to
+    the codec since the previous chunk (a codec holds back a frame or so, sent in later chunks).
+    WAV non-stream collects everything so the header carries exact sizes.
     """
 
     def __init__(self, encoding: int, in_rate: int, out_rate: int, stream: bool,
                  max_chunk_bytes: int = MAX_CHUNK_BYTES):
-        self.encoding = encoding or pb2.AUDIO_ENCODING_PCM16
-        self.in_rate, self.out_rate = in_rate, out_rate
-        self._resampler = None if in_rate == out_rate else soxr.ResampleStream(
-            in_rate, out_rate, 1, dtype="float32", quality="HQ")
-        self._wav = self.encoding == pb2.AUDIO_ENCODING_WAV
-        self._collect = self._wav and not stream
-        self._pending: list[np.ndarray] = []
-        self._header_sent = False
-        bytes_per_sample = 4 if self.encoding == pb2.AUDIO_ENCODING_FLOAT32 else 2
-        self._max_samples = max(1, max_chunk_bytes // bytes_per_sample)
+        self.encoding = encoding or DEFAULT_ENCODING
+        fmt = ENCODING_FORMATS[self.encoding]
+        self.out_rate = out_rate
+        self._collect = fmt == "wav" and not stream
+        self._wav_stream = fmt == "wav" and stream
+        self._encoder = AudioStreamEncoder("pcm" if self._collect else fmt, out_rate, in_rate)
+        self._pending = bytearray()
+        self._unsent = 0      # samples fed to the encoder and not yet reported in a chunk
+        bytes_per_sample = _BYTES_PER_SAMPLE.get(fmt)
+        self._raw = bytes_per_sample is not None
+        step = bytes_per_sample or 1
+        self._max_bytes = max(step, max_chunk_bytes // step * step)
+        self._step = step
         self.index = 0
-        self.samples = 0      # samples emitted, at out_rate
+        self.samples = 0      # samples reported in chunks, at out_rate
         self.finished = False
 
     @property
     def seconds(self) -> float:
         return self.samples / self.out_rate
 
-    def _encode(self, x: np.ndarray) -> bytes:
-        if self.encoding == pb2.AUDIO_ENCODING_FLOAT32:
-            return x.astype("<f4", copy=False).tobytes()
-        return float_to_pcm16(x)
-
     def push(self, samples: np.ndarray, final: bool) -> list[pb2.AudioChunk]:
         if self.finished:
             raise RuntimeError("push after the final chunk")
-        x = np.asarray(samples, dtype=np.float32).reshape(-1)
-        if self._resampler is not None:
-            x = self._resampler.resample_chunk(x, last=final)
+        before = self._encoder.samples
+        data = self._encoder.encode(samples)
+        if final:
+            data += self._encoder.finish()
+        self._unsent += self._encoder.samples - before
         header = b""
         if self._collect:
-            self._pending.append(x)
+            self._pending += data
             if not final:
                 return []
-            x = np.concatenate(self._pending)
-            self._pending = []
-            header = wav_header(len(x), self.out_rate)
-        elif self._wav and not self._header_sent and (len(x) or final):
-            header = wav_header(None, self.out_rate)
-        if not len(x) and not final:
+            data, self._pending = bytes(self._pending), bytearray()
+            header = wav_header(len(data) // 2, self.out_rate)
+        elif self._wav_stream and self.index == 0:    # the header is no sample
+            header, data = data[:44], data[44:]
+        if not data and not header and not final:
             return []
-        self._header_sent = self._header_sent or bool(header)
-        pieces = [x[i:i + self._max_samples] for i in range(0, len(x), self._max_samples)] or [x]
+        pieces = [data[i:i + self._max_bytes] for i in range(0, len(data), self._max_bytes)] or [b""]
         out = []
         for k, piece in enumerate(pieces):
             last = k == len(pieces) - 1
+            n = len(piece) // self._step if self._raw else (self._unsent if k == 0 else 0)
             out.append(pb2.AudioChunk(
-                audio=(header if k == 0 else b"") + self._encode(piece),
-                encoding=self.encoding, sample_rate=self.out_rate, index=self.index,
-                is_final=final and last, sample_offset=self.samples, num_samples=len(piece)))
+                audio=(header if k == 0 else b"") + piece, encoding=self.encoding,
+                sample_rate=self.out_rate, index=self.index, is_final=final and last,
+                sample_offset=self.samples, num_samples=n))
             self.index += 1
-            self.samples += len(piece)
+            self.samples += n
+        self._unsent = 0
         self.finished = final
         return out
 

@@ -4,7 +4,7 @@ This module is the server's lifecycle: bind the port with health NOT_SERVING, lo
 model in the background, flip health to SERVING, and on shutdown go NOT_SERVING, drain in-flight
 streams and close the model. Also served: grpc.health.v1, server reflection, Prometheus metrics on
 a side HTTP port. The pieces live next to it: `servicer` (the RPCs), `encoding` (audio out),
-`sentences` (StreamSynthesize text), `auth` (bearer token, TLS), `metrics`.
+`auth` (bearer token, TLS), `metrics`.
 
 Entry points: `run(config)` (blocking, used by `async-cosyvoice serve`), `serve(config)`
 (coroutine) and `CosyVoiceServer` (start/stop in an existing loop, e.g. tests).
@@ -18,7 +18,7 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health as grpc_health
@@ -28,27 +28,15 @@ from grpc_reflection.v1alpha import reflection
 
 from async_cosyvoice.config import Config
 
-from ._stubs import SERVICE_NAME
-from .auth import HEALTH_EXEMPT, BearerAuthInterceptor, server_credentials
-from .encoding import MAX_CHUNK_BYTES, AudioEncoder, float_to_pcm16, wav_header
-from .metrics import Metrics
-from .sentences import SentenceSplitter
-from .servicer import (MAX_OUTPUT_RATE, MAX_SPEED, MIN_OUTPUT_RATE, MIN_SPEED, NATIVE_SAMPLE_RATE,
-                       TOKENS_PER_SECOND, CosyVoiceServicer, _decode_audio, pb2, pb2_grpc, status_for)
+from async_cosyvoice.loop_thread import LoopThread
+from async_cosyvoice.tts import Synthesizer
 
-if TYPE_CHECKING:
-    from async_cosyvoice.tts import Synthesizer
+from ._stubs import SERVICE_NAME
+from .auth import BearerAuthInterceptor, server_credentials
+from .metrics import Metrics
+from .servicer import CosyVoiceServicer, pb2_grpc
 
 log = logging.getLogger("grpc_async.server")
-
-# Re-exported: these names were defined here before the split, and callers import them from here.
-__all__ = [
-    "CosyVoiceServer", "ServerThread", "serve", "run", "main",
-    "CosyVoiceServicer", "status_for", "_decode_audio", "AudioEncoder", "wav_header", "float_to_pcm16",
-    "SentenceSplitter", "BearerAuthInterceptor", "server_credentials", "Metrics", "pb2", "pb2_grpc",
-    "NATIVE_SAMPLE_RATE", "MIN_OUTPUT_RATE", "MAX_OUTPUT_RATE", "MIN_SPEED", "MAX_SPEED",
-    "MAX_CHUNK_BYTES", "TOKENS_PER_SECOND", "HEALTH_EXEMPT",
-]
 
 
 class CosyVoiceServer:
@@ -113,7 +101,6 @@ class CosyVoiceServer:
             if self._factory is not None:
                 synth = await self._factory(self.config)
             else:
-                from async_cosyvoice.tts import Synthesizer
                 synth = await Synthesizer.create(self.config)
         self.servicer.synth = synth
         self.metrics.bind_engine(synth.engine_stats)
@@ -167,12 +154,9 @@ class ServerThread:
     (notebooks, tests): `with ServerThread(config) as st: ... st.port ...`."""
 
     def __init__(self, config: Config, ready_timeout: float | None = 600.0, **server_kwargs):
-        import threading
-
         self.config = config
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="cosyvoice-server", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("cosyvoice-server")
+        self.loop = self._loop_thread.loop
         try:
             self.server: CosyVoiceServer = self.call(self._make(server_kwargs))
             self.port: int = self.call(self.server.start())
@@ -191,7 +175,7 @@ class ServerThread:
 
     def call(self, coro, timeout: float | None = None):
         """Run a coroutine on the server's loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self._loop_thread.call(coro, timeout)
 
     def close(self, grace: float | None = 0) -> None:
         if self.loop.is_closed():
@@ -200,10 +184,7 @@ class ServerThread:
         if server is not None and server._server is not None:
             with contextlib.suppress(Exception):
                 self.call(server.stop(grace), timeout=120)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=30)
-        if not self._thread.is_alive():
-            self.loop.close()
+        self._loop_thread.close()
 
     def __enter__(self) -> "ServerThread":
         return self

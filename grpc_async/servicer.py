@@ -9,38 +9,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import math
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import grpc
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Overloaded,
-                                   SpeakerExists, SpeakerNotFound, Unsupported)
-from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speaker_id
-from async_cosyvoice.tts import Audio, Mode, SynthesisOptions, SynthesisRequest
+from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Overloaded, SpeakerExists,
+                                   SpeakerNotFound, TextTimeout, Unsupported)
+from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
+from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest
+from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord
+from async_cosyvoice.tts import Synthesizer
 
 from ._stubs import load as _load_stubs
-from .encoding import MAX_CHUNK_BYTES, AudioEncoder, _Output
+from .encoding import ENCODING_FORMATS, MAX_CHUNK_BYTES, AudioEncoder, _Output, check_output
 from .metrics import Metrics
-from .sentences import SentenceSplitter
-
-if TYPE_CHECKING:
-    from async_cosyvoice.tts import Synthesizer
+from .server_info import server_info
+from .status_details import error_trailer
 
 pb2, pb2_grpc = _load_stubs()
 log = logging.getLogger("grpc_async.server")  # one logger for the whole service
 
 NATIVE_SAMPLE_RATE = 24000
 MIN_OUTPUT_RATE, MAX_OUTPUT_RATE = 8000, 192000
-MIN_SPEED, MAX_SPEED = 0.5, 2.0
 TOKENS_PER_SECOND = 25         # speech tokens per second of audio (CosyVoice2)
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -51,6 +48,7 @@ _STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (TextTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 
@@ -76,6 +74,7 @@ class _Call:
         self.detail = ""
         self.first_chunk_at: float | None = None
         self.clock_start = self.start  # first-chunk latency reference (StreamSynthesize: first text)
+        self.first_text_seen = False
         self.tokens = 0
         self.audio_seconds = 0.0
         self.chunks = 0
@@ -104,14 +103,13 @@ class _Call:
             rtf=total / audio_seconds if audio_seconds > 0 else 0.0)
 
 
-def _decode_audio(msg: pb2.AudioData, what: str, max_seconds: float, limit_name: str) -> Audio:
-    from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
-
+def _decode_audio(msg: pb2.AudioData, what: str) -> Audio:
+    """AudioData -> Audio (a worker-thread call: decoding is CPU work). Limits are the library's."""
     which = msg.WhichOneof("source")
     try:
         if which == "file":
-            audio = load_audio(msg.file)
-        elif which == "pcm":
+            return load_audio(msg.file)
+        if which == "pcm":
             pcm = msg.pcm
             encodings = {pb2.PCM_ENCODING_S16LE: "s16le", pb2.PCM_ENCODING_F32LE: "f32le"}
             if pcm.encoding not in encodings:
@@ -119,17 +117,12 @@ def _decode_audio(msg: pb2.AudioData, what: str, max_seconds: float, limit_name:
                                      f"PCM_ENCODING_F32LE, got {pcm.encoding}")
             if pcm.sample_rate == 0:
                 raise InvalidRequest(f"{what}.pcm.sample_rate is required (Hz)")
-            audio = pcm_to_audio(pcm.data, pcm.sample_rate, encodings[pcm.encoding], pcm.channels or 1)
-        else:
-            raise InvalidRequest(f"{what} is missing: set {what}.file (wav/flac/ogg bytes) or "
-                                 f"{what}.pcm (raw samples with encoding and sample_rate)")
+            return pcm_to_audio(pcm.data, pcm.sample_rate, encodings[pcm.encoding], pcm.channels or 1)
+        raise InvalidRequest(f"{what} is missing: set {what}.file (wav/flac/ogg bytes) or "
+                             f"{what}.pcm (raw samples with encoding and sample_rate)")
     except InvalidRequest as e:
-        msg_text = str(e)
-        raise InvalidRequest(msg_text if msg_text.startswith(what) else f"{what}: {msg_text}") from None
-    if audio.seconds > max_seconds:
-        raise InvalidRequest(f"{what} is {audio.seconds:.2f} s long; the limit is {max_seconds:g} s "
-                             f"(limits.{limit_name})")
-    return audio
+        text = str(e)
+        raise InvalidRequest(text if text.startswith(what) else f"{what}: {text}") from None
 
 
 class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
@@ -187,7 +180,14 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             code = grpc.StatusCode.INTERNAL
             message = f"internal error (request id {call.request_id}); see the server log"
         call.status, call.detail = code.name, message
-        await call.context.abort(code, message)
+        await call.context.abort(code, message, self._error_trailer(call, code, message, error))
+
+    @staticmethod
+    def _error_trailer(call: _Call, code: grpc.StatusCode, message: str, error: BaseException) -> tuple:
+        """google.rpc details (BadRequest field / RetryInfo) for the status trailer."""
+        method = pb2.DESCRIPTOR.services_by_name["CosyVoice"].methods_by_name.get(call.method)
+        return error_trailer(code, message, method.input_type if method else None,
+                             field=getattr(error, "field", None))
 
     def _finish(self, call: _Call) -> None:
         elapsed = call.elapsed()
@@ -222,85 +222,56 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         return given
 
     def _options(self, o: pb2.SynthesisOptions) -> tuple[SynthesisOptions, _Output]:
-        speed = o.speed if o.HasField("speed") else 1.0
-        if not math.isfinite(speed) or not MIN_SPEED <= speed <= MAX_SPEED:
-            raise InvalidRequest(f"options.speed must be in [{MIN_SPEED}, {MAX_SPEED}] "
-                                 f"(leave it unset for 1.0), got {speed:g}")
-        if speed != 1.0 and o.stream:
-            raise InvalidRequest("options.speed != 1 needs options.stream = false: speed is applied "
-                                 "to the mel of a whole utterance")
-        if o.encoding not in pb2.AudioEncoding.values():
-            raise InvalidRequest(f"options.encoding {o.encoding} is not a known AudioEncoding "
-                                 f"(PCM16 = 1, FLOAT32 = 2, WAV = 3)")
+        """Proto options -> library options (their values are checked by the library's rules)."""
         rate = o.sample_rate or self._native_rate()
+        self._check_output(o.encoding, rate)
+        options = SynthesisOptions(
+            stream=o.stream, speed=o.speed if o.HasField("speed") else 1.0,
+            text_frontend=o.text_frontend if o.HasField("text_frontend") else True,
+            seed=o.seed if o.HasField("seed") else None,
+            max_tokens=o.max_tokens if o.HasField("max_tokens") else None)
+        return options, _Output(o.encoding or pb2.AUDIO_ENCODING_PCM16, rate, o.stream)
+
+    def _check_output(self, encoding: int, rate: int) -> None:
+        if encoding not in ENCODING_FORMATS:
+            known = ", ".join(f"{pb2.AudioEncoding.Name(v).removeprefix('AUDIO_ENCODING_')} = {v}"
+                              for v in pb2.AudioEncoding.values() if v)
+            raise InvalidRequest(f"options.encoding {encoding} is not a known AudioEncoding ({known})")
         if not MIN_OUTPUT_RATE <= rate <= MAX_OUTPUT_RATE:
             raise InvalidRequest(f"options.sample_rate must be 0 (native {self._native_rate()} Hz) or "
                                  f"{MIN_OUTPUT_RATE}..{MAX_OUTPUT_RATE} Hz, got {rate}")
-        options = SynthesisOptions(
-            stream=o.stream, speed=speed,
-            text_frontend=o.text_frontend if o.HasField("text_frontend") else True,
-            seed=o.seed if o.HasField("seed") else None,
-            max_tokens=self._max_tokens(o),
-            first_hop=self.config.token2wav.first_hop)
-        return options, _Output(o.encoding or pb2.AUDIO_ENCODING_PCM16, rate, o.stream)
-
-    def _max_tokens(self, o) -> int | None:
-        if not o.HasField("max_tokens"):
-            return None
-        limit = self.config.limits.max_forced_tokens
-        if not 1 <= o.max_tokens <= limit:
-            raise InvalidRequest(f"options.max_tokens must be in 1..{limit}, got {o.max_tokens}")
-        return o.max_tokens
+        try:
+            check_output(encoding, rate)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"options.sample_rate: {e}") from None
 
     def _native_rate(self) -> int:
         return getattr(self.synth, "sample_rate", None) or NATIVE_SAMPLE_RATE
 
-    def _check_text(self, text: str, what: str = "text") -> str:
-        if not text.strip():
-            raise InvalidRequest(f"{what} is empty")
-        if len(text) > self.limits.max_text_chars:
-            raise InvalidRequest(f"{what} is {len(text)} characters long; the limit is "
-                                 f"{self.limits.max_text_chars} (limits.max_text_chars)")
-        return text
-
-    def _prompt(self, msg: pb2.AudioData, what: str) -> Audio:
-        return _decode_audio(msg, what, self.limits.max_prompt_seconds, "max_prompt_seconds")
-
-    def _voice(self, mode: str, voice) -> dict:
-        """SynthesisRequest fields for a mode message (decodes audio: call in a worker thread)."""
-        if mode == "zero_shot":
-            return dict(prompt_text=self._check_text(voice.prompt_text, "zero_shot.prompt_text"),
-                        prompt_audio=self._prompt(voice.prompt_audio, "zero_shot.prompt_audio"))
-        if mode == "cross_lingual":
-            return dict(prompt_audio=self._prompt(voice.prompt_audio, "cross_lingual.prompt_audio"))
-        if mode == "instruct2":
-            return dict(instruct_text=self._check_text(voice.instruct_text, "instruct2.instruct_text"),
-                        prompt_audio=self._prompt(voice.prompt_audio, "instruct2.prompt_audio"))
-        if mode in ("sft", "zero_shot_by_spk_id"):
-            return dict(speaker_id=validate_speaker_id(voice.speaker_id, f"{mode}.speaker_id"))
-        if mode == "instruct2_by_spk_id":
-            return dict(speaker_id=validate_speaker_id(voice.speaker_id, f"{mode}.speaker_id"),
-                        instruct_text=self._check_text(voice.instruct_text, f"{mode}.instruct_text"))
-        if mode == "vc":
-            return dict(
-                source_audio=_decode_audio(voice.source_audio, "vc.source_audio",
-                                           self.limits.max_source_seconds, "max_source_seconds"),
-                prompt_audio=self._prompt(voice.prompt_audio, "vc.prompt_audio"))
-        raise InvalidRequest("no mode set: set one of zero_shot, cross_lingual, instruct2, sft, "
-                             "zero_shot_by_spk_id, instruct2_by_spk_id, vc")
-
-    def _synthesis_request(self, request: pb2.SynthesizeRequest, request_id: str
-                           ) -> tuple[SynthesisRequest, _Output]:
-        mode = request.WhichOneof("mode")
-        options, output = self._options(request.options)
-        fields = self._voice(mode, getattr(request, mode) if mode else None)
-        if mode == "vc":
-            if request.text:
-                raise InvalidRequest("vc converts source_audio and takes no text; leave text empty")
+    def _voice(self, mode: str | None, voice) -> dict:
+        """SynthesisRequest fields of a mode message (decodes audio: call in a worker thread)."""
+        if mode in ("zero_shot", "cross_lingual", "instruct2", "vc"):
+            fields = dict(prompt_audio=_decode_audio(voice.prompt_audio, f"{mode}.prompt_audio"))
+            if mode == "vc":
+                fields["source_audio"] = _decode_audio(voice.source_audio, "vc.source_audio")
+        elif mode in ("sft", "zero_shot_by_spk_id", "instruct2_by_spk_id"):
+            fields = dict(speaker_id=voice.speaker_id)
         else:
-            self._check_text(request.text)
-        return SynthesisRequest(mode=Mode(mode), text=request.text, options=options,
-                                request_id=request_id, **fields), output
+            raise InvalidRequest("no mode set: set one of zero_shot, cross_lingual, instruct2, sft, "
+                                 "zero_shot_by_spk_id, instruct2_by_spk_id, vc")
+        if mode == "zero_shot":
+            fields["prompt_text"] = voice.prompt_text
+        if mode in ("instruct2", "instruct2_by_spk_id"):
+            fields["instruct_text"] = voice.instruct_text
+        return fields
+
+    def _synthesis_request(self, msg, text: str, request_id: str) -> tuple[SynthesisRequest, _Output]:
+        """A SynthesizeRequest or StreamConfig -> (request, output format)."""
+        mode = msg.WhichOneof("mode")
+        options, output = self._options(msg.options)
+        fields = self._voice(mode, getattr(msg, mode) if mode else None)
+        return SynthesisRequest(mode=Mode(mode), text=text, options=options, request_id=request_id,
+                                **fields), output
 
     # ---- synthesis ----
 
@@ -309,28 +280,24 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
                             min(MAX_CHUNK_BYTES, self.limits.max_message_bytes - 4096))
 
     async def _emit(self, call: _Call, out: AudioEncoder, samples: np.ndarray, final: bool) -> None:
-        for msg in out.push(samples, final):
+        for msg in await asyncio.to_thread(out.push, samples, final):  # resampling + packing is CPU work
             if msg.is_final:
                 msg.summary.CopyFrom(call.summary(out.seconds))
                 call.audio_seconds = out.seconds
             await call.context.write(msg)
             call.wrote(msg)
 
-    async def _speak(self, synth: "Synthesizer", request: SynthesisRequest, call: _Call,
-                     out: AudioEncoder, last: bool) -> None:
-        """Write the chunks of one synthesis; the final one is final only when `last`."""
-        chunks = synth.synthesize(request)
-        try:
+    async def _speak(self, chunks, call: _Call, out: AudioEncoder) -> None:
+        """Write a synthesis's chunks. Leaving early closes `chunks`, which aborts the engine request."""
+        async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 if chunk.is_final:
                     call.tokens += int(chunk.n_tokens)
-                await self._emit(call, out, chunk.samples, chunk.is_final and last)
+                await self._emit(call, out, chunk.samples, chunk.is_final)
                 if chunk.is_final:
                     break
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()  # aborts the engine request when we stop early
+        if not out.finished:  # the synthesizer ended without a final chunk
+            await self._emit(call, out, np.zeros(0, np.float32), True)
 
     async def Synthesize(self, request: pb2.SynthesizeRequest, context) -> None:
         call = _Call("Synthesize", context)
@@ -341,19 +308,45 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             await context.send_initial_metadata((("x-request-id", call.request_id),))
             synth = self._synth()
             async with self._stream_slot():
-                req, output = await asyncio.to_thread(self._synthesis_request, request, call.request_id)
-                out = self._encoder(synth, output)
-                await self._speak(synth, req, call, out, last=True)
-                if not out.finished:  # the synthesizer ended without a final chunk
-                    await self._emit(call, out, np.zeros(0, np.float32), True)
+                req, output = await asyncio.to_thread(self._synthesis_request, request, request.text, call.request_id)
+                await self._speak(synth.synthesize(req), call, self._encoder(synth, output))
         except BaseException as e:  # noqa: B036 - re-raised by _fail
             await self._fail(call, e)
         finally:
             self._finish(call)
 
     async def StreamSynthesize(self, request_iterator, context) -> None:
+        """A StreamConfig, then text pieces, then `end` (a half-close without `end` also ends the
+        text). A message after `end` is refused with INVALID_ARGUMENT."""
         call = _Call("StreamSynthesize", context)
-        reader: asyncio.Task | None = None
+        misuse: list[CosyVoiceError] = []
+        watcher: asyncio.Task | None = None
+        handler = asyncio.current_task()
+
+        async def refuse_after_end() -> None:
+            async for _ in request_iterator:
+                misuse.append(InvalidRequest("a StreamSynthesize message arrived after `end`; "
+                                             "send all text before `end`"))
+                handler.cancel()
+                return
+
+        async def text_pieces():
+            nonlocal watcher
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("message")
+                if kind == "text":
+                    if not call.first_text_seen:
+                        call.first_text_seen = True
+                        call.clock_start = time.perf_counter()
+                    yield msg.text
+                elif kind == "end":
+                    watcher = asyncio.create_task(refuse_after_end())
+                    return
+                elif kind == "config":
+                    raise InvalidRequest("config may be sent only once, as the first message")
+                else:
+                    raise InvalidRequest("empty StreamSynthesizeRequest: set text or end")
+
         try:
             first = await anext(aiter(request_iterator), None)
             if first is None or first.WhichOneof("message") != "config":
@@ -366,64 +359,24 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             await context.send_initial_metadata((("x-request-id", call.request_id),))
             synth = self._synth()
             async with self._stream_slot():
-                base, output = await asyncio.to_thread(self._stream_template, config, call.request_id)
-                if base.speaker_id and not await asyncio.to_thread(synth.speakers.exists, base.speaker_id):
-                    raise SpeakerNotFound(f"speaker {base.speaker_id!r} not found")
-                out = self._encoder(synth, output)
-                sentences: asyncio.Queue = asyncio.Queue()
-                reader = asyncio.create_task(self._read_pieces(request_iterator, sentences, call))
-                n = 0
-                while (item := await sentences.get()) is not None:
-                    if isinstance(item, BaseException):
-                        raise item
-                    request = dataclasses.replace(base, text=item, request_id=f"{call.request_id}.{n}")
-                    await self._speak(synth, request, call, out, last=False)
-                    n += 1
-                if n == 0:
-                    raise InvalidRequest("no text was received (or only punctuation)")
-                await self._emit(call, out, np.zeros(0, np.float32), True)
+                template, output = await asyncio.to_thread(self._synthesis_request, config, "", call.request_id)
+                try:
+                    await self._speak(synth.synthesize_stream(text_pieces(), template), call,
+                                      self._encoder(synth, output))
+                except asyncio.CancelledError:
+                    if misuse:
+                        raise misuse[0] from None
+                    raise
+                if watcher is not None:
+                    watcher.cancel()
         except BaseException as e:  # noqa: B036 - re-raised by _fail
             await self._fail(call, e)
         finally:
-            if reader is not None:
-                reader.cancel()
+            if watcher is not None:
+                watcher.cancel()
                 with contextlib.suppress(BaseException):
-                    await reader
+                    await watcher
             self._finish(call)
-
-    def _stream_template(self, config: pb2.StreamConfig, request_id: str) -> tuple[SynthesisRequest, _Output]:
-        mode = config.WhichOneof("mode")
-        options, output = self._options(config.options)
-        fields = self._voice(mode, getattr(config, mode) if mode else None)
-        return SynthesisRequest(mode=Mode(mode), text="", options=options, request_id=request_id,
-                                **fields), output
-
-    async def _read_pieces(self, request_iterator, sentences: asyncio.Queue, call: _Call) -> None:
-        """Reader task: text pieces -> complete sentences on the queue; None at the end."""
-        splitter = SentenceSplitter(min(200, self.limits.max_text_chars))
-        total = 0
-        try:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("message")
-                if kind == "text":
-                    if total == 0:
-                        call.clock_start = time.perf_counter()
-                    total += len(msg.text)
-                    for s in splitter.feed(msg.text):
-                        sentences.put_nowait(s)
-                elif kind == "end":
-                    break
-                elif kind == "config":
-                    raise InvalidRequest("config may be sent only once, as the first message")
-                else:
-                    raise InvalidRequest("empty StreamSynthesizeRequest: set text or end")
-            for s in splitter.flush():
-                sentences.put_nowait(s)
-            sentences.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: B036 - handed to the writer
-            sentences.put_nowait(e)
 
     # ---- speakers ----
 
@@ -450,18 +403,16 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
     async def RegisterSpeaker(self, request: pb2.RegisterSpeakerRequest, context) -> pb2.Speaker:
         async def body(call: _Call):
             synth = self._synth()
-            speaker_id = validate_speaker_id(request.speaker_id)
-            prompt_text = self._check_text(request.prompt_text, "prompt_text")
-            audio = await asyncio.to_thread(self._prompt, request.prompt_audio, "prompt_audio")
-            record = await synth.register_speaker(speaker_id, prompt_text, audio, overwrite=request.overwrite)
+            audio = await asyncio.to_thread(_decode_audio, request.prompt_audio, "prompt_audio")
+            record = await synth.register_speaker(request.speaker_id, request.prompt_text, audio,
+                                                  overwrite=request.overwrite)
             return self._speaker(record)
         return await self._unary("RegisterSpeaker", context, body, request.speaker_id)
 
     async def GetSpeaker(self, request: pb2.GetSpeakerRequest, context) -> pb2.Speaker:
         async def body(call: _Call):
             store = self._synth().speakers
-            speaker_id = validate_speaker_id(request.speaker_id)
-            return self._speaker(await asyncio.to_thread(store.get, speaker_id))
+            return self._speaker(await asyncio.to_thread(store.get, request.speaker_id))
         return await self._unary("GetSpeaker", context, body, request.speaker_id)
 
     async def ListSpeakers(self, request: pb2.ListSpeakersRequest, context) -> pb2.ListSpeakersResponse:
@@ -475,7 +426,11 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
     async def DeleteSpeaker(self, request: pb2.DeleteSpeakerRequest, context) -> pb2.DeleteSpeakerResponse:
         async def body(call: _Call):
             store = self._synth().speakers
-            speaker_id = validate_speaker_id(request.speaker_id)
-            await asyncio.to_thread(store.delete, speaker_id)
+            await asyncio.to_thread(store.delete, request.speaker_id)
             return pb2.DeleteSpeakerResponse()
         return await self._unary("DeleteSpeaker", context, body, request.speaker_id)
+
+    async def GetServerInfo(self, request: pb2.GetServerInfoRequest, context) -> pb2.GetServerInfoResponse:
+        async def body(call: _Call):
+            return server_info(self.config, None if self.closing else self.synth)
+        return await self._unary("GetServerInfo", context, body)

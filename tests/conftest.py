@@ -63,3 +63,12 @@ def lm(model_dir):
     m = CosyVoice2LM(model_dir.dims.lm).eval()
     load_strict(m, model_dir.llm_state_dict(), "llm.pt")
     return m
+
+
+def next_job_upto(stream, tokens, llm_done):
+    """Plan with the token list as it stands: append what the stream has not seen yet, then plan."""
+    import torch
+
+    tokens = torch.as_tensor(tokens).reshape(-1)
+    stream.append(tokens[stream.n_tokens:])
+    return stream.next_job(llm_done)

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import next_job_upto
 import torch
 
 from async_cosyvoice.estimator import TorchEstimator
@@ -112,7 +113,7 @@ async def _drive(batcher, stream, tokens, delay, burst, t0):
     while not stream.finished:
         n = min(len(tokens), n + burst)
         done = n == len(tokens)
-        while (job := stream.next_job(tokens[:n], done)) is not None:
+        while (job := next_job_upto(stream, tokens[:n], done)) is not None:
             deadline = t0 + stream.samples_emitted / SAMPLE_RATE  # when the audio sent so far runs out
             chunks.append(await batcher.submit(job, deadline))
         await asyncio.sleep(0.001)  # the "LLM" produces the next burst
@@ -181,7 +182,7 @@ def test_length_groups_split_the_flow(models, golden_dir):
     for ratio in (1.0, 4.0):
         runner = Token2WavRunner(models.flow, models.hift, length_bucket_ratio=ratio)
         streams = [(s, toks) for s, toks, _, _ in _streams(prompts, base)[:3]]
-        jobs = [s.next_job(toks, True) for s, toks in streams]
+        jobs = [next_job_upto(s, toks, True) for s, toks in streams]
         outs[ratio] = runner.run_many(jobs)
         # streaming chunks (cached: grouped by new tokens, here all of them but the look-ahead) and
         # final calls (grouped by prompt + target tokens) never share a call

@@ -14,7 +14,8 @@ import soundfile as sf
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
 from grpc_async.client import CosyVoiceClient, client_main, collect, fix_wav_sizes
-from grpc_async.server import ServerThread, wav_header
+from grpc_async.encoding import wav_header
+from grpc_async.server import ServerThread
 
 TOKEN = "test-token-123"
 PROMPT_TEXT = "The morning train was late again, so I walked along the river."
@@ -94,6 +95,58 @@ def test_cli_zero_shot_from_prompt_wav_and_sft(cli, golden_dir, tmp_path):
     rc, out, err = cli("synthesize", "--text", "Embedding only.", "--mode", "sft", "--speaker", "tiny_sft_spk",
                        "--out", str(tmp_path / "sft.wav"))
     assert rc == 0, err
+
+
+def test_cli_max_tokens_and_compressed_encoding(cli, tmp_path):
+    """--max-tokens fixes the length; --encoding opus writes the Ogg stream as it came."""
+    out = tmp_path / "hi.opus"
+    rc, text, err = cli("synthesize", "--text", "Hi there.", "--mode", "sft", "--speaker", "tiny_sft_spk",
+                        "--max-tokens", "30", "--encoding", "opus", "--stream", "--sample-rate", "48000",
+                        "--seed", "3", "--out", str(out))
+    assert rc == 0, err
+    assert "30 speech tokens" in text
+    data = out.read_bytes()
+    assert data[:4] == b"OggS" and b"OpusHead" in data[:64]
+    audio, rate = sf.read(out, dtype="float32")                 # libsndfile reads Ogg Opus
+    assert rate == 48000 and len(audio) == 30 * 960 * 2         # Ogg granules trim exactly
+    rc, _, err = cli("synthesize", "--text", "Hi.", "--speaker", "tiny_sft_spk", "--mode", "sft",
+                     "--encoding", "opus", "--sample-rate", "44100", "--out", str(tmp_path / "x.opus"))
+    assert rc == 1 and "INVALID_ARGUMENT" in err and "opus supports sample rates" in err
+
+
+def test_client_default_encoding_is_the_servers(server):
+    from grpc_async import pb2
+    from grpc_async.client import options
+
+    assert options().encoding == pb2.AUDIO_ENCODING_UNSPECIFIED   # the server decides
+
+    async def body():
+        async with CosyVoiceClient(server.target, token=TOKEN) as c:
+            info = await c.get_server_info()
+            chunks = [ch async for ch in c.synthesize("Hi.", mode="sft", speaker_id="tiny_sft_spk", max_tokens=5)]
+        return info, chunks
+
+    info, chunks = run(body())
+    assert {c.encoding for c in chunks} == {info.default_encoding} == {pb2.AUDIO_ENCODING_PCM16}
+
+
+def test_docstring_example_runs(server, golden_dir, tmp_path, monkeypatch):
+    """The module docstring's example, verbatim but for the address and the token of this server."""
+    import textwrap
+
+    import grpc_async.client as client_module
+
+    doc = client_module.__doc__
+    example = textwrap.dedent(doc[doc.index("    import asyncio"):doc.index("\n\n`synthesize`")])
+    target = '"127.0.0.1:50051"'
+    assert target in example
+    example = example.replace(target, f'"{server.target}", token="{TOKEN}"')
+    (tmp_path / "prompt.wav").write_bytes((golden_dir / "prompt_24k.wav").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "grpc_async.client docstring", "exec"), {"__name__": "__example__"})
+    data = (tmp_path / "hello.opus").read_bytes()
+    assert data[:4] == b"OggS"
+    assert sf.info(tmp_path / "hello.opus").duration > 0
 
 
 def test_cli_errors(cli, tmp_path):

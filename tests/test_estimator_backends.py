@@ -19,6 +19,7 @@ import importlib.util
 import numpy as np
 import onnx
 import pytest
+from conftest import next_job_upto
 import torch
 
 from async_cosyvoice.estimator import MissingBackendError, TorchEstimator, make_estimator
@@ -119,7 +120,7 @@ def test_flow_with_onnxruntime_matches_golden(models, ort_estimator, golden_dir,
     """The final (full attention) call of the non-streaming golden, and the first streaming chunk
     (chunked graph) of the hop-15 golden."""
     stream, g = _golden_stream(golden_dir, run)
-    job = stream.next_job(g["token"][0], llm_done=True)
+    job = next_job_upto(stream, g["token"][0], llm_done=True)
     assert job.finalize == (run == "nonstream")
     mel = Token2WavRunner(models.flow, models.hift, estimator=ort_estimator).flow_mel(job)
     want = g["call0/flow_mel"]

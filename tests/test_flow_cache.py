@@ -55,9 +55,10 @@ def drive(cached: Token2WavRunner, recompute: Token2WavRunner, streams: list, to
     Returns the number of chunks compared."""
     compared, rnd = 0, 0
     first_round = first_round or [0] * len(streams)
+    for s, t in zip(streams, tokens):
+        s.append(t)
     while True:
-        jobs = [j for s, t, r in zip(streams, tokens, first_round)
-                if r <= rnd and (j := s.next_job(t, llm_done=True)) is not None]
+        jobs = [j for s, r in zip(streams, first_round) if r <= rnd and (j := s.next_job(llm_done=True)) is not None]
         if not jobs and rnd >= max(first_round):
             return compared
         rnd += 1
@@ -102,7 +103,9 @@ def test_batched_streams_with_different_cached_prefixes(flow, hift, prompts):
 def test_speaker_prefix_is_shared_and_exact(flow, hift, prompts):
     runner = Token2WavRunner(flow, hift)
     a, b = new_stream(prompts, "p24", 15, key="spk"), new_stream(prompts, "p24", 15, key="spk")
-    ja, jb = a.next_job(target_tokens(40, 5), False), b.next_job(target_tokens(40, 6), False)
+    a.append(target_tokens(40, 5))
+    b.append(target_tokens(40, 6))
+    ja, jb = a.next_job(llm_done=False), b.next_job(llm_done=False)
     runner.flow_mels([ja, jb])
     P = prompts["p24"][0].shape[1]
     prefix = runner.speaker_prefixes.get("spk", prompts["p24"][0][0, :53])
@@ -148,8 +151,8 @@ def test_cap_on_cached_tokens(flow, hift, prompts):
     recompute = Token2WavRunner(flow, hift, flow_cache=False)
     stream = new_stream(prompts, "p24", 15)  # chunks end at 90 and 120 tokens: keep 75, then (capped) 75
     states = []
-    tokens = target_tokens(60, 8)
-    while (job := stream.next_job(tokens, llm_done=True)) is not None:
+    stream.append(target_tokens(60, 8))
+    while (job := stream.next_job(llm_done=True)) is not None:
         mel = runner.flow_mel(job)
         assert (mel - recompute.flow_mel(job)).abs().max() <= ATOL
         states.append(stream.flow_state)
@@ -184,7 +187,8 @@ def test_chunked_final_is_the_chunked_recompute(flow, hift, prompts):
     runner = Token2WavRunner(flow, hift, chunked_final=True)
     stream = new_stream(prompts, "p16", 15, key="k")
     tokens = target_tokens(40, 9)
-    while (job := stream.next_job(tokens, llm_done=True)) is not None:
+    stream.append(tokens)
+    while (job := stream.next_job(llm_done=True)) is not None:
         frames = runner.stats.flow_frames
         mel = runner.flow_mel(job)
         if job.finalize:

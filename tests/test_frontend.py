@@ -22,10 +22,10 @@ import torch
 from async_cosyvoice.errors import InvalidRequest
 from async_cosyvoice.frontend import audio as A
 from async_cosyvoice.frontend.model_input import MODE_SPECS, build_model_input
-from async_cosyvoice.frontend.prompt import PromptEncoder, PromptFeatures
+from async_cosyvoice.frontend.prompt import PromptEncoder
 from async_cosyvoice.frontend.spk2info import (Spk2InfoError, export_spk2info, load_spk2info, parse_entry,
                                                save_spk2info, to_upstream_entry)
-from async_cosyvoice.tts import Audio, Mode
+from async_cosyvoice.request import Audio, Mode, Voice
 
 torch.set_num_threads(1)
 
@@ -154,23 +154,25 @@ def _voice_and_texts(golden_mode, prompts, spk_records, tokenize, texts):
     if golden_mode == "zero_shot_zh_p16":
         return Mode.ZERO_SHOT, prompts["p16"], t("tts_zh"), t("prompt_text")
     if golden_mode == "zero_shot_spk":
-        rec = spk_records["tiny_zs_spk"]
-        return Mode.ZERO_SHOT_BY_SPK_ID, rec.prompt, t("tts_en"), rec.text_tokens()
+        voice = spk_records["tiny_zs_spk"]
+        return Mode.ZERO_SHOT_BY_SPK_ID, voice, t("tts_en"), voice.prompt_text_tokens
     if golden_mode == "cross_lingual":
         return Mode.CROSS_LINGUAL, prompts["p24"], t("tts_cross"), []
     if golden_mode == "instruct2":
         return Mode.INSTRUCT2, prompts["p24"], t("tts_zh"), t("instruct_text")
     if golden_mode == "sft":
-        return Mode.SFT, spk_records["tiny_sft_spk"].prompt, t("tts_en"), []
+        return Mode.SFT, spk_records["tiny_sft_spk"], t("tts_en"), []
     raise AssertionError(golden_mode)
 
 
 @pytest.mark.parametrize("golden_mode", ["zero_shot", "zero_shot_zh_p16", "zero_shot_spk",
                                          "cross_lingual", "instruct2", "sft"])
 def test_model_inputs(golden_mode, model_inputs_golden, prompts, tiny_dir, tokenize, texts):
-    spk_records = {r.speaker_id: r for r in load_spk2info(tiny_dir / "spk2info.pt")}
+    spk_records = load_spk2info(tiny_dir / "spk2info.pt")
     mode, voice, text, prompt_text = _voice_and_texts(golden_mode, prompts, spk_records, tokenize, texts)
-    ours = build_model_input(mode, voice, text_tokens=text, prompt_text_tokens=prompt_text).to_upstream_dict()
+    if mode == Mode.ZERO_SHOT:
+        voice = voice.with_transcript("", prompt_text)
+    ours = build_model_input(mode, voice, text_tokens=text, instruction_tokens=prompt_text).to_upstream_dict()
     gold = model_inputs_golden[golden_mode]
     assert set(ours) == set(gold)
     from_speaker_file = golden_mode in ("zero_shot_spk", "sft")
@@ -208,14 +210,14 @@ def test_vc_input_is_unaligned(golden_dir, encoder, frontend_golden):
 
 
 def test_instruct2_by_speaker_and_errors(tiny_dir, tokenize, texts):
-    recs = {r.speaker_id: r for r in load_spk2info(tiny_dir / "spk2info.pt")}
+    recs = load_spk2info(tiny_dir / "spk2info.pt")
     zs = recs["tiny_zs_spk"]
-    mi = build_model_input(Mode.INSTRUCT2_BY_SPK_ID, zs.prompt, text_tokens=tokenize(texts["tts_zh"]),
-                           prompt_text_tokens=tokenize(texts["instruct_text"]))
+    mi = build_model_input(Mode.INSTRUCT2_BY_SPK_ID, zs, text_tokens=tokenize(texts["tts_zh"]),
+                           instruction_tokens=tokenize(texts["instruct_text"]))
     assert mi.llm_prompt_speech_token.size == 0 and mi.flow_prompt_speech_token.size == 75
     assert mi.lm_text_tokens == tuple(tokenize(texts["instruct_text"]) + tokenize(texts["tts_zh"]))
     with pytest.raises(InvalidRequest, match="only an embedding"):
-        build_model_input(Mode.ZERO_SHOT_BY_SPK_ID, recs["tiny_sft_spk"].prompt, text_tokens=[1, 2])
+        build_model_input(Mode.ZERO_SHOT_BY_SPK_ID, recs["tiny_sft_spk"], text_tokens=[1, 2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,11 +226,10 @@ def test_instruct2_by_speaker_and_errors(tiny_dir, tokenize, texts):
 
 def test_spk2info_import_export_roundtrip(tiny_dir, tmp_path):
     original = torch.load(tiny_dir / "spk2info.pt", weights_only=True)
-    records = load_spk2info(tiny_dir / "spk2info.pt")
-    assert [r.speaker_id for r in records] == list(original)
-    kinds = {r.speaker_id: (r.kind, r.layout) for r in records}
-    assert kinds == {"tiny_zs_spk": ("zero_shot", "upstream_zero_shot"), "tiny_sft_spk": ("sft", "upstream_sft")}
-    exported = export_spk2info(records)
+    voices = load_spk2info(tiny_dir / "spk2info.pt")
+    assert list(voices) == list(original)
+    assert {k: v.kind for k, v in voices.items()} == {"tiny_zs_spk": "zero_shot", "tiny_sft_spk": "sft"}
+    exported = export_spk2info(voices)
     for spk_id, entry in original.items():
         assert set(exported[spk_id]) == set(entry)
         for key, value in entry.items():
@@ -236,12 +237,10 @@ def test_spk2info_import_export_roundtrip(tiny_dir, tmp_path):
             assert ours.dtype == value.dtype and ours.shape == value.shape, (spk_id, key)
             assert torch.equal(ours, value), (spk_id, key)
     path = tmp_path / "spk2info.pt"
-    save_spk2info(records, path)
+    save_spk2info(voices, path)
     again = load_spk2info(path)
-    for a, b in zip(records, again):
-        assert a.speaker_id == b.speaker_id and a.kind == b.kind
-        for f in ("prompt_text_tokens", "speech_tokens", "speech_feat", "embedding"):
-            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+    assert list(again) == list(voices)
+    assert all(voices[k].same_data(again[k]) for k in voices)
 
 
 def test_spk2info_peer_layout(tiny_dir):
@@ -250,16 +249,16 @@ def test_spk2info_peer_layout(tiny_dir):
     peer = {"name": "x", "spk_id": "001", "prompt_text": "The morning train",
             "speech_token": zs["flow_prompt_speech_token"], "speech_feat": feat,
             "embedding": zs["flow_embedding"].half()}
-    rec = parse_entry("001", peer)
-    assert rec.kind == "zero_shot" and rec.layout == "peer" and rec.prompt_text == "The morning train"
-    assert rec.speech_tokens.shape == (75,) and rec.speech_feat.shape == (150, 80)  # aligned to 2 frames / token
-    assert rec.speech_feat.dtype == np.float32 and rec.embedding.dtype == np.float32
-    with pytest.raises(Spk2InfoError, match="tokenizer is needed"):
-        to_upstream_entry(rec)
-    entry = to_upstream_entry(rec, tokenize=lambda s: [1, 2, 3])
+    with pytest.raises(Spk2InfoError, match="needs the model's text tokenizer"):
+        parse_entry("001", peer)
+    voice = parse_entry("001", peer, tokenize=lambda s: [1, 2, 3])
+    assert voice.kind == "zero_shot" and voice.prompt_text == "The morning train"
+    assert voice.speech_tokens.shape == (75,) and voice.speech_feat.shape == (150, 80)  # aligned to 2 frames / token
+    assert voice.speech_feat.dtype == np.float32 and voice.embedding.dtype == np.float32
+    entry = to_upstream_entry("001", voice)
     assert entry["prompt_text"].tolist() == [[1, 2, 3]] and entry["prompt_text_len"].tolist() == [3]
-    rec2 = parse_entry("001", {**peer, "prompt_text_token": torch.tensor([[5, 6]], dtype=torch.int32)})
-    assert rec2.text_tokens().tolist() == [5, 6]
+    voice2 = parse_entry("001", {**peer, "prompt_text_token": torch.tensor([[5, 6]], dtype=torch.int32)})
+    assert voice2.prompt_text_tokens.tolist() == [5, 6]
 
 
 def test_spk2info_errors(tiny_dir, tmp_path):
@@ -397,7 +396,7 @@ def test_encoder_is_thread_safe(golden_dir, encoder, prompts):
     for t in threads:
         t.join()
     assert not errors
-    ref: PromptFeatures = prompts["p24"]
+    ref: Voice = prompts["p24"]
     for r in results:
         np.testing.assert_array_equal(r.speech_tokens, ref.speech_tokens)
         np.testing.assert_array_equal(r.speech_feat, ref.speech_feat)

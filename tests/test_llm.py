@@ -7,7 +7,7 @@ from async_cosyvoice.engine.base import length_limits
 from async_cosyvoice.model_dir import load_model_dir, load_strict
 from async_cosyvoice.models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
 from async_cosyvoice.models.llm import CosyVoice2LM
-from async_cosyvoice.sampling import SuppressEOSBeforeMinLen, ras_sample
+from async_cosyvoice.sampling import ras_sample, suppress_batch
 
 pytestmark = pytest.mark.usefixtures("_one_thread")
 
@@ -70,7 +70,7 @@ def test_incremental_decode_matches_upstream(lm, golden, inputs, case):
         for tok in forced:
             hidden.append(lm.backbone(x, positions, cache, slots)[0, -1])
             logp = lm.logits(hidden[-1]).log_softmax(-1)
-            SuppressEOSBeforeMinLen(min_len).apply(logp, decoded)
+            suppress_batch(logp[None], torch.tensor([len(decoded)]), torch.tensor([min_len]), torch.tensor([False]))
             sampler_in.append(logp)
             decoded.append(tok)
             x = lm.embed_speech(torch.tensor([[tok]]))

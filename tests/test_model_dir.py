@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from async_cosyvoice.frontend.tokenizer import COSYVOICE2_SPECIAL_TOKENS, TextTokenizer
+from async_cosyvoice.errors import ModelDirError
 from async_cosyvoice.model_dir import (
-    ModelDirError, Tagged, cached_model_dir, fold_weight_norm, load_model_dir, load_recipe, load_state_dict_file,
-    load_strict, normalize_hift_state_dict,
+    fold_weight_norm, load_model_dir, load_state_dict_file, load_strict, normalize_hift_state_dict,
 )
 from async_cosyvoice.models.dims import (
     EncoderDims, EstimatorDims, FlowDims, HiFTDims, LMDims, ModelDims, Qwen2Dims,
 )
+from async_cosyvoice.recipe import Tagged, load_recipe
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +76,10 @@ def test_recipe_kept_as_data(md):
     assert r["get_tokenizer"].args["token_path"] == str(md.path / "CosyVoice-BlankEN")  # override applied
 
 
-def test_paths_and_cache(md, tiny_dir):
+def test_paths(md, tiny_dir):
     assert md.campplus_onnx == tiny_dir.resolve() / "campplus.onnx" and md.campplus_onnx.is_file()
     assert md.speech_tokenizer_onnx.name == "speech_tokenizer_v2.onnx" and md.speech_tokenizer_onnx.is_file()
     assert md.spk2info_path == tiny_dir.resolve() / "spk2info.pt"
-    assert cached_model_dir(tiny_dir) is cached_model_dir(str(tiny_dir))
 
 
 # ------------------------------------------------------------------ yaml loader

@@ -1,4 +1,4 @@
-"""tools/make_random_model.py: official-format random model directories."""
+"""random_model/ and tools/make_random_model.py: official-format random model directories."""
 from __future__ import annotations
 
 import json
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from async_cosyvoice.model_dir import (
-    fold_weight_norm, load_model_dir, load_recipe, load_state_dict_file, model_dims_from_recipe,
-)
+from async_cosyvoice.model_dir import fold_weight_norm, load_model_dir, load_state_dict_file, model_dims_from_recipe
 from async_cosyvoice.models.dims import ModelDims
+from async_cosyvoice.random_model import PRESETS, is_random_model, make_random_model
+from async_cosyvoice.random_model.recipe import recipe_yaml
+from async_cosyvoice.random_model.weights import flow_specs, hift_specs, llm_specs
+from async_cosyvoice.recipe import load_recipe
 from async_cosyvoice.tools import make_random_model as mrm
-from async_cosyvoice.tools.make_random_model import PRESETS, is_random_model, make_random_model
 
 OFFICIAL_FILE_BYTES = {"llm": 2_023_316_821, "flow": 450_575_567, "hift": 83_390_254}  # facts sheet §1.1
 
@@ -217,13 +218,13 @@ def test_05b_preset_dims_are_official():
     assert (d.flow.estimator.channels, d.flow.estimator.num_mid_blocks, d.flow.estimator.n_blocks) == ((256,), 12, 4)
     assert d.hift.base_channels == 512
     # the yaml the tool writes parses back to the same dims (no weights needed)
-    assert model_dims_from_recipe(load_recipe(mrm.recipe_yaml(d)), q) == d
+    assert model_dims_from_recipe(load_recipe(recipe_yaml(d)), q) == d
 
 
 def test_05b_parameter_layout_matches_official_file_sizes():
     d = PRESETS["cosyvoice2-0.5b"].dims
-    for name, specs in (("llm", mrm.llm_specs(d.lm)), ("flow", mrm.flow_specs(d.flow)),
-                        ("hift", mrm.hift_specs(d.hift))):
+    for name, specs in (("llm", llm_specs(d.lm)), ("flow", flow_specs(d.flow)),
+                        ("hift", hift_specs(d.hift))):
         n_bytes = 4 * sum(math.prod(shape) for _, shape, init in specs if init[0] != "tied")
         overhead = OFFICIAL_FILE_BYTES[name] - n_bytes  # zip + pickle metadata, a few hundred bytes per key
         assert 0 < overhead < 400 * len(specs), (name, overhead)

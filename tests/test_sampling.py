@@ -5,8 +5,8 @@ import torch
 from scipy.stats import chisquare
 
 from async_cosyvoice.models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
-from async_cosyvoice.sampling import (SuppressEOSBeforeMinLen, SuppressStopTokens, _sorted_nucleus, nucleus,
-                                      ras_log_probs, ras_sample, ras_sample_batch, suppress_batch)
+from async_cosyvoice.sampling import (_sorted_nucleus, nucleus, ras_log_probs, ras_sample, ras_sample_batch,
+                                      suppress_batch)
 
 pytestmark = pytest.mark.usefixtures("_one_thread")
 
@@ -184,18 +184,11 @@ def test_golden_scores_log_probs_sum_to_one(ras):
         assert abs(lp.exp().sum().item() - 1.0) < 1e-12
 
 
-def test_logit_rules():
-    logits = torch.zeros(6564)
-    SuppressEOSBeforeMinLen(2).apply(logits, [1])
-    assert logits[EOS_TOKEN] == -float("inf") and logits[EOS_TOKEN + 1] == 0
-    logits = torch.zeros(6564)
-    SuppressEOSBeforeMinLen(2).apply(logits, [1, 2])
-    assert logits[EOS_TOKEN] == 0
-    SuppressStopTokens().apply(logits, [])
-    assert torch.isinf(logits[list(STOP_TOKENS)]).all() and torch.isfinite(logits[:EOS_TOKEN]).all()
-
-    batch = torch.zeros(3, 6564)
-    suppress_batch(batch, torch.tensor([0, 5, 5]), torch.tensor([3, 3, 0]), torch.tensor([False, False, True]))
+def test_stop_rules():
+    batch = torch.zeros(4, 6564)
+    suppress_batch(batch, torch.tensor([0, 5, 5, 3]), torch.tensor([3, 3, 0, 3]),
+                   torch.tensor([False, False, True, False]))
+    assert torch.isfinite(batch[3]).all()  # min_tokens out: EOS allowed
     assert torch.isinf(batch[0, EOS_TOKEN]) and torch.isfinite(batch[0, EOS_TOKEN + 1:]).all()
     assert torch.isfinite(batch[1]).all()
     assert torch.isinf(batch[2, list(STOP_TOKENS)]).all()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import time
 import urllib.request
 
@@ -19,11 +20,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import InvalidRequest
+from async_cosyvoice.rules import RequestRules
 from async_cosyvoice.speakers import SpeakerStore
 from grpc_async import SERVICE_NAME, pb2, pb2_grpc
 from grpc_async.client import CosyVoiceClient, audio_data, chunk_samples, collect
-from grpc_async.server import (AudioEncoder, CosyVoiceServicer, SentenceSplitter, ServerThread,
-                               _decode_audio, wav_header)
+from async_cosyvoice.frontend.sentences import SentenceSplitter
+from grpc_async.encoding import AudioEncoder, wav_header
+from grpc_async.server import ServerThread
+from grpc_async.servicer import CosyVoiceServicer, _decode_audio
 from grpc_async.metrics import Metrics
 
 SAMPLES_PER_TOKEN = 960  # at 24 kHz
@@ -170,13 +174,13 @@ def _wav_bytes(seconds: float, rate: int = 16000) -> bytes:
 
 def test_options_defaults_are_safe(servicer):
     req = pb2.SynthesizeRequest(text="Hi.", sft=pb2.Sft(speaker_id="a"))
-    sreq, out = servicer._synthesis_request(req, "rid")
+    sreq, out = servicer._synthesis_request(req, req.text, "rid")
     assert sreq.options.speed == 1.0 and sreq.options.text_frontend is True and sreq.options.seed is None
     assert out.encoding == pb2.AUDIO_ENCODING_PCM16 and out.sample_rate == 24000 and not out.stream
     req.options.text_frontend = False
     req.options.seed = 0
     req.options.speed = 1.5
-    sreq, _ = servicer._synthesis_request(req, "rid")
+    sreq, _ = servicer._synthesis_request(req, req.text, "rid")
     assert sreq.options.text_frontend is False and sreq.options.seed == 0 and sreq.options.speed == 1.5
 
 
@@ -191,35 +195,38 @@ def test_options_defaults_are_safe(servicer):
     (lambda r: setattr(r, "text", "x" * 51), "51 characters long; the limit is 50"),
     (lambda r: r.ClearField("sft"), "no mode set"),
     (lambda r: setattr(r.sft, "speaker_id", "../etc/passwd"), "contains '/'"),
-    (lambda r: setattr(r, "request_id", "bad id!"), None),
+    (lambda r: setattr(r.options, "max_tokens", 0), "max_tokens must be in 1..3000"),
 ])
 def test_invalid_requests(servicer, mutate, message):
+    """Proto shape errors come from the servicer, value errors from the library's one rule book."""
     req = pb2.SynthesizeRequest(text="Hi.", sft=pb2.Sft(speaker_id="a"))
     mutate(req)
-    with pytest.raises(InvalidRequest, match=message or "request_id"):
-        servicer._request_id(req.request_id)
-        servicer._synthesis_request(req, "rid")
+    rules = RequestRules.from_config(servicer.config)
+    with pytest.raises(InvalidRequest, match=message):
+        rules.check(servicer._synthesis_request(req, req.text, "rid")[0])
+
+
+def test_invalid_request_id(servicer):
+    with pytest.raises(InvalidRequest, match="request_id"):
+        servicer._request_id("bad id!")
 
 
 def test_audio_decoding_errors(servicer):
     with pytest.raises(InvalidRequest, match="prompt_audio: cannot decode"):
-        _decode_audio(pb2.AudioData(file=b"definitely not audio"), "prompt_audio", 30, "max_prompt_seconds")
+        _decode_audio(pb2.AudioData(file=b"definitely not audio"), "prompt_audio")
     with pytest.raises(InvalidRequest, match="prompt_audio is missing"):
-        _decode_audio(pb2.AudioData(), "prompt_audio", 30, "max_prompt_seconds")
+        _decode_audio(pb2.AudioData(), "prompt_audio")
     with pytest.raises(InvalidRequest, match="sample_rate is required"):
-        _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0", encoding=pb2.PCM_ENCODING_S16LE)),
-                      "prompt_audio", 30, "max_prompt_seconds")
+        _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0", encoding=pb2.PCM_ENCODING_S16LE)), "prompt_audio")
     with pytest.raises(InvalidRequest, match="encoding must be"):
-        _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0", sample_rate=16000)), "p", 30, "x")
+        _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0", sample_rate=16000)), "p")
     with pytest.raises(InvalidRequest, match="not a multiple"):
         _decode_audio(pb2.AudioData(pcm=pb2.RawPcm(data=b"\0\0\0", encoding=pb2.PCM_ENCODING_S16LE,
-                                                   sample_rate=16000)), "p", 30, "x")
-    with pytest.raises(InvalidRequest, match=r"3.00 s long; the limit is 2 s \(limits.max_prompt_seconds\)"):
-        _decode_audio(pb2.AudioData(file=_wav_bytes(3.0)), "prompt_audio", 2.0, "max_prompt_seconds")
+                                                   sample_rate=16000)), "p")
     stereo = np.stack([np.full(1600, 0.5), np.full(1600, -0.5)], axis=1).astype(np.float32)
-    audio = _decode_audio(audio_data((stereo, 16000)), "p", 30, "x")
+    audio = _decode_audio(audio_data((stereo, 16000)), "p")
     assert audio.sample_rate == 16000 and audio.samples.shape == (1600,) and np.allclose(audio.samples, 0)
-    assert _decode_audio(pb2.AudioData(file=_wav_bytes(1.0)), "p", 30, "x").seconds == pytest.approx(1.0)
+    assert _decode_audio(pb2.AudioData(file=_wav_bytes(1.0)), "p").seconds == pytest.approx(1.0)
 
 
 # =============================================================================================
@@ -408,6 +415,172 @@ def test_same_seed_same_audio(server):
     np.testing.assert_array_equal(_decode(a), _decode(b))
 
 
+# ---- compressed encodings, GetServerInfo, error details (issue 12) ----
+
+COMPRESSED = ["opus", "mp3", "aac", "flac", "webm"]
+
+
+@pytest.mark.parametrize("encoding, rate, stream", [(e, 48000 if e != "mp3" else 24000, True) for e in COMPRESSED]
+                         + [("opus", 16000, False)])
+def test_compressed_encodings_decode_back(server, encoding, rate, stream):
+    """Forced token count, so the audio length is known: 40 tokens = 1.6 s."""
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            chunks = [ch async for ch in c.synthesize("Hello there.", mode="sft", speaker_id="tiny_sft_spk",
+                                                      seed=2, max_tokens=40, stream=stream,
+                                                      encoding=encoding, sample_rate=rate)]
+            async def replay():
+                for ch in chunks:
+                    yield ch
+            return chunks, await collect(replay())
+
+    chunks, result = run(body())
+    _check_chunks(chunks)
+    expected = 40 * SAMPLES_PER_TOKEN * rate // 24000
+    assert sum(c.num_samples for c in chunks) == expected
+    assert chunks[-1].summary.audio_seconds == pytest.approx(expected / rate)
+    assert all(c.encoding == pb2.AudioEncoding.Value(f"AUDIO_ENCODING_{encoding.upper()}".replace("WEBM", "WEBM_OPUS"))
+               and c.sample_rate == rate for c in chunks)
+    if stream:
+        assert len(chunks) > 2 and chunks[0].audio  # audio came before the end
+    seconds = len(result.audio) / result.sample_rate
+    assert abs(seconds - expected / rate) < 0.6, seconds      # within one chunk
+    assert np.sqrt(np.mean(result.audio ** 2)) > 1e-3         # not silence
+
+
+def test_get_server_info(server):
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            return await c.get_server_info()
+
+    info = run(body())
+    cfg = server.config
+    assert info.model and info.ready and info.engine == cfg.engine.kind == "native"
+    assert info.bistream is bool(getattr(server.server.synthesizer.engine, "supports_bistream", False))
+    assert list(info.modes) == MODES
+    assert info.native_sample_rate == 24000 and info.default_encoding == pb2.AUDIO_ENCODING_PCM16
+    assert info.limits.max_text_chars == cfg.limits.max_text_chars == 400
+    assert info.limits.max_concurrent_streams == cfg.limits.max_concurrent_streams
+    assert info.limits.max_prompt_seconds == 5.0 and info.limits.max_forced_tokens == cfg.limits.max_forced_tokens
+    by_encoding = {e.encoding: e for e in info.audio_encodings}
+    assert set(by_encoding) == set(pb2.AudioEncoding.values()) - {pb2.AUDIO_ENCODING_UNSPECIFIED}
+    opus = by_encoding[pb2.AUDIO_ENCODING_OPUS]
+    assert list(opus.sample_rates) == [8000, 12000, 16000, 24000, 48000]
+    assert opus.content_type == "audio/ogg;codecs=opus" and opus.bitrate > 0
+    pcm = by_encoding[pb2.AUDIO_ENCODING_PCM16]
+    assert not pcm.sample_rates and (pcm.min_sample_rate, pcm.max_sample_rate) == (8000, 192000)
+
+
+def _status_details(error: grpc.aio.AioRpcError) -> list:
+    """The google.rpc details of a failed call, unpacked."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    assert status is not None, "no grpc-status-details-bin trailer"
+    assert status.code == error.code().value[0] and status.message == error.details()
+    out = []
+    for detail in status.details:
+        for cls in (error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
+            if detail.Is(cls.DESCRIPTOR):
+                msg = cls()
+                detail.Unpack(msg)
+                out.append(msg)
+    return out
+
+
+_REPR = re.compile(r"object at 0x|<[\w.]+[ >]|\[\'|\{\'|Mode\.|array\(|dtype=|Traceback")
+
+
+def test_invalid_argument_carries_field_violations(server):
+    ok = pb2.ZeroShotBySpeaker(speaker_id="tiny_zs_spk")
+    cases = [
+        (pb2.SynthesizeRequest(text="Hi.", zero_shot_by_spk_id=ok, options=pb2.SynthesisOptions(
+            encoding=pb2.AUDIO_ENCODING_OPUS, sample_rate=44100)), "options.sample_rate", "opus supports"),
+        (pb2.SynthesizeRequest(text="Hi.", zero_shot_by_spk_id=ok, options=pb2.SynthesisOptions(speed=9)),
+         "options.speed", "speed must be"),
+        (pb2.SynthesizeRequest(text=" ", zero_shot_by_spk_id=ok), "text", "text is empty"),
+        (pb2.SynthesizeRequest(text="Hi."), "mode", "no mode set"),
+        (pb2.SynthesizeRequest(text="Hi.", zero_shot=pb2.ZeroShot(prompt_text="x", prompt_audio=pb2.AudioData(
+            file=b"not audio at all"))), "zero_shot.prompt_audio", "cannot decode"),
+        (pb2.SynthesizeRequest(text="Hi.", zero_shot_by_spk_id=ok, options=pb2.SynthesisOptions(encoding=42)),
+         "options.encoding", "OPUS = 4"),
+        (pb2.SynthesizeRequest(text="Hi.", sft=pb2.Sft(speaker_id="a/b")), "sft.speaker_id", "speaker_id"),
+    ]
+
+    async def body():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            stub = pb2_grpc.CosyVoiceStub(ch)
+            for request, field, text in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Synthesize(request):
+                        pass
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in e.value.details()
+                assert not _REPR.search(e.value.details()), e.value.details()
+                (bad_request,) = _status_details(e.value)
+                assert [(v.field, v.description) for v in bad_request.field_violations] == \
+                    [(field, e.value.details())]
+            # StreamSynthesize: the same option sits under config
+            config = pb2.StreamConfig(sft=pb2.Sft(speaker_id="tiny_sft_spk"),
+                                      options=pb2.SynthesisOptions(sample_rate=5))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.StreamSynthesize(iter([pb2.StreamSynthesizeRequest(config=config)])):
+                    pass
+            (bad_request,) = _status_details(e.value)
+            assert bad_request.field_violations[0].field == "config.options.sample_rate"
+            # a register with garbage audio: libsndfile's message used to show "<_io.BytesIO object at 0x..>"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.RegisterSpeaker(pb2.RegisterSpeakerRequest(
+                    speaker_id="x", prompt_text="t", prompt_audio=pb2.AudioData(file=b"RIFF garbage")))
+            assert "cannot decode" in e.value.details() and not _REPR.search(e.value.details()), e.value.details()
+            assert _status_details(e.value)[0].field_violations[0].field == "prompt_audio"
+    run(body())
+
+
+def test_no_python_reprs_in_error_messages(server, fixture_audio):
+    async def body():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            raw = ch.unary_stream(f"/{SERVICE_NAME}/Synthesize", request_serializer=lambda b: b,
+                                  response_deserializer=pb2.AudioChunk.FromString)
+            stub = pb2_grpc.CosyVoiceStub(ch)
+            for name, request, code, text in _bad_requests(fixture_audio):
+                call = raw(request) if isinstance(request, bytes) else stub.Synthesize(request)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in call:
+                        pass
+                assert not _REPR.search(e.value.details()), (name, e.value.details())
+    run(body())
+
+
+def test_retry_info_on_unavailable(loading_server):
+    async def body():
+        async with CosyVoiceClient(loading_server.target, token="s3cret") as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.list_speakers()
+            info = await c.get_server_info()    # answers while loading
+        return e.value, info
+
+    error, info = run(body())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    (retry,) = _status_details(error)
+    assert retry.retry_delay.ToNanoseconds() > 0
+    assert not info.ready and info.engine == "native" and len(info.audio_encodings) == 8
+
+
+def test_retry_info_on_resource_exhausted():
+    """The trailer built for RESOURCE_EXHAUSTED (the real-server path is the same `_fail`)."""
+    from google.rpc import error_details_pb2, status_pb2
+
+    from grpc_async.status_details import error_trailer
+
+    (key, value), = error_trailer(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+    status = status_pb2.Status.FromString(value)
+    retry = error_details_pb2.RetryInfo()
+    assert key == "grpc-status-details-bin" and status.code == 8 and status.details[0].Unpack(retry)
+    assert retry.retry_delay.ToNanoseconds() == 10**9
+    assert error_trailer(grpc.StatusCode.NOT_FOUND, "gone") == ()
+
+
 def test_speaker_lifecycle(server, fixture_audio):
     async def body():
         async with CosyVoiceClient(server.target) as c:
@@ -483,7 +656,7 @@ def _bad_requests(audio: dict) -> list[tuple[str, pb2.SynthesizeRequest | bytes,
          grpc.StatusCode.FAILED_PRECONDITION, "embedding-only"),
         ("zero_shot without transcript", pb2.SynthesizeRequest(text="Hi.", zero_shot=pb2.ZeroShot(
             prompt_audio=pb2.AudioData(file=audio["p24"]))),
-         grpc.StatusCode.INVALID_ARGUMENT, "prompt_text is empty"),
+         grpc.StatusCode.INVALID_ARGUMENT, "transcript (prompt_text)"),
     ]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from async_cosyvoice.errors import InvalidRequest, SpeakerExists, SpeakerNotFound
+from async_cosyvoice.request import Voice
 from async_cosyvoice.speakers import (MAX_ID_LENGTH, SpeakerRecord, SpeakerStore, speaker_file_name,
                                       validate_speaker_id)
 
@@ -21,12 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_record(speaker_id: str, n_tokens: int = 12, value: float = 0.5, text: str = "hello") -> SpeakerRecord:
     rng = np.random.default_rng(abs(hash((speaker_id, n_tokens, value))) % 2**32)
-    return SpeakerRecord(
-        speaker_id=speaker_id, kind="zero_shot", prompt_text=text,
-        prompt_text_tokens=rng.integers(0, 1000, 7, dtype=np.int32),
+    return SpeakerRecord(speaker_id, Voice(
+        prompt_text=text, prompt_text_tokens=rng.integers(0, 1000, 7, dtype=np.int32),
         speech_tokens=rng.integers(0, 6561, n_tokens, dtype=np.int32),
         speech_feat=np.full((2 * n_tokens, 80), value, np.float32),
-        embedding=np.full(192, value, np.float32))
+        embedding=np.full(192, value, np.float32)))
 
 
 def test_round_trip(tmp_path):
@@ -38,8 +38,8 @@ def test_round_trip(tmp_path):
     assert again.created_at == pytest.approx(rec.created_at)
     for name, dtype in (("prompt_text_tokens", np.int32), ("speech_tokens", np.int32),
                         ("speech_feat", np.float32), ("embedding", np.float32)):
-        assert getattr(again, name).dtype == dtype
-    assert again.speech_feat.shape == (24, 80)
+        assert getattr(again.voice, name).dtype == dtype
+    assert again.voice.speech_feat.shape == (24, 80)
     info = store.list().speakers[0]
     assert (info.speaker_id, info.kind, info.prompt_text, info.n_speech_tokens) == ("alice", "zero_shot",
                                                                                      "The morning train.", 12)
@@ -50,21 +50,23 @@ def test_sft_record_round_trip(tmp_path):
     store = SpeakerStore(tmp_path)
     store.put(SpeakerRecord.sft("narrator", np.arange(192, dtype=np.float32)))
     rec = store.get("narrator")
-    assert rec.kind == "sft" and rec.speech_tokens.size == 0 and rec.speech_feat.shape == (0, 80)
-    np.testing.assert_array_equal(rec.embedding, np.arange(192, dtype=np.float32))
+    assert rec.kind == "sft" and rec.voice.n_tokens == 0 and rec.voice.speech_feat.shape == (0, 80)
+    np.testing.assert_array_equal(rec.voice.embedding, np.arange(192, dtype=np.float32))
 
 
 def test_record_validation():
     with pytest.raises(InvalidRequest, match="frames, expected 2 x 12"):
-        SpeakerRecord("a", "zero_shot", "", np.zeros(3, np.int32), np.zeros(12, np.int32),
-                      np.zeros((23, 80), np.float32), np.zeros(192, np.float32))
+        SpeakerRecord("a", Voice(np.zeros(12, np.int32), np.zeros((23, 80), np.float32), np.zeros(192, np.float32)))
     with pytest.raises(InvalidRequest, match="kind"):
-        SpeakerRecord("a", "pickle", "", [], [], np.zeros((0, 80)), np.zeros(192))
+        Voice([], np.zeros((0, 80)), np.zeros(192), kind="pickle")
     with pytest.raises(InvalidRequest, match="non-finite"):
         SpeakerRecord.sft("a", np.full(192, np.nan))
     with pytest.raises(InvalidRequest, match="integer"):
-        SpeakerRecord("a", "zero_shot", "", np.zeros(3), np.zeros(1, np.float32),
-                      np.zeros((2, 80), np.float32), np.zeros(192, np.float32))
+        Voice(np.zeros(1, np.float32), np.zeros((2, 80), np.float32), np.zeros(192, np.float32))
+    with pytest.raises(InvalidRequest, match="embedding only"):
+        Voice(np.zeros(0, np.int32), np.zeros((0, 80)), np.zeros(192), prompt_text="hi", kind="sft")
+    with pytest.raises(InvalidRequest, match="speaker_id"):
+        SpeakerRecord("../x", Voice.embedding_only(np.zeros(192)))
 
 
 def test_overwrite_rules(tmp_path):
@@ -72,9 +74,9 @@ def test_overwrite_rules(tmp_path):
     store.put(make_record("alice", value=0.1))
     with pytest.raises(SpeakerExists, match="'alice' already exists"):
         store.put(make_record("alice", value=0.2))
-    assert store.get("alice").embedding[0] == np.float32(0.1)  # untouched
+    assert store.get("alice").voice.embedding[0] == np.float32(0.1)  # untouched
     store.put(make_record("alice", value=0.2), overwrite=True)
-    assert store.get("alice").embedding[0] == np.float32(0.2)
+    assert store.get("alice").voice.embedding[0] == np.float32(0.2)
     store.delete("alice")
     with pytest.raises(SpeakerNotFound, match="'alice' not found"):
         store.get("alice")
@@ -154,7 +156,7 @@ def test_lru_cache_is_bounded_and_sees_other_writers(tmp_path):
     assert len(store._cache) == 2 and list(store._cache) == ["s2", "s3"]
     assert store.get("s3") is store.get("s3")  # served from the cache
     SpeakerStore(tmp_path).put(make_record("s3", value=9.0), overwrite=True)  # another writer
-    assert store.get("s3").embedding[0] == np.float32(9.0)
+    assert store.get("s3").voice.embedding[0] == np.float32(9.0)
     SpeakerStore(tmp_path).delete("s2")
     with pytest.raises(SpeakerNotFound):
         store.get("s2")
@@ -185,7 +187,7 @@ def test_concurrent_registrations_threads(tmp_path):
     winners = [o for o in outcomes if o.startswith("won")]
     assert len(winners) == 1 and outcomes.count("exists") == 15
     k = int(winners[0][3:])
-    assert store.get("shared").embedding[0] == np.float32(k)
+    assert store.get("shared").voice.embedding[0] == np.float32(k)
     assert store.ids() == sorted(["shared"] + [f"own{k}" for k in range(16)])
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
 
@@ -206,8 +208,8 @@ def test_overwrites_never_tear_reads(tmp_path):
         reader_store = SpeakerStore(tmp_path, cache_size=1)
         for _ in range(200):
             rec = reader_store.get("v")
-            value = rec.embedding[0]
-            if not (np.all(rec.embedding == value) and np.all(rec.speech_feat == value)):
+            value = rec.voice.embedding[0]
+            if not (np.all(rec.voice.embedding == value) and np.all(rec.voice.speech_feat == value)):
                 errors.append("torn record")
 
     writers = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
@@ -246,7 +248,7 @@ def test_concurrent_registrations_processes(tmp_path):
     assert sorted(results) == ["exists", "exists", "exists", "won"]
     store = SpeakerStore(tmp_path)
     assert len(store) == 21
-    assert store.get("shared").embedding[0] == np.float32(results.index("won"))
+    assert store.get("shared").voice.embedding[0] == np.float32(results.index("won"))
 
 
 # A writer that dies (os._exit, no cleanup, like SIGKILL) after the first 1 MiB block of the
@@ -255,6 +257,7 @@ _CRASHING_WRITER = textwrap.dedent("""
     import os, sys
     import numpy as np
     from async_cosyvoice import speakers
+    from async_cosyvoice.request import Voice
     store = speakers.SpeakerStore(sys.argv[1])
     real_write, calls = os.write, [0]
     def dying_write(fd, data):
@@ -265,9 +268,9 @@ _CRASHING_WRITER = textwrap.dedent("""
         return real_write(fd, data)
     speakers.os.write = dying_write
     n = 8000  # 8000 x 2 x 80 float32 = 5 MiB of features: several blocks
-    rec = speakers.SpeakerRecord(sys.argv[2], "zero_shot", "new", np.arange(3, dtype=np.int32),
-                                 np.arange(n, dtype=np.int32) % 6561, np.full((2 * n, 80), 7.0, np.float32),
-                                 np.full(192, 7.0, np.float32))
+    rec = speakers.SpeakerRecord(sys.argv[2], Voice(np.arange(n, dtype=np.int32) % 6561,
+                                                    np.full((2 * n, 80), 7.0, np.float32),
+                                                    np.full(192, 7.0, np.float32), "new", np.arange(3, dtype=np.int32)))
     store.put(rec, overwrite=True)
     os._exit(0)
 """)
@@ -292,7 +295,7 @@ def test_crash_during_overwrite_keeps_old_record(tmp_path):
     assert fresh.get("victim").same_data(old)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
     fresh.put(make_record("victim", value=0.5), overwrite=True)  # lock was released by the dead writer
-    assert fresh.get("victim").embedding[0] == np.float32(0.5)
+    assert fresh.get("victim").voice.embedding[0] == np.float32(0.5)
 
 
 def test_crash_during_first_write_leaves_nothing(tmp_path):
@@ -324,18 +327,18 @@ def test_import_fixture_spk2info_matches_golden(tmp_path, tiny_dir, golden_dir):
 
     zs = SpeakerStore(tmp_path / "store").get("tiny_zs_spk")
     assert zs.kind == "zero_shot"
-    np.testing.assert_array_equal(zs.prompt_text_tokens, golden["zero_shot_spk/prompt_text"][0])
-    np.testing.assert_array_equal(zs.speech_tokens, golden["zero_shot_spk/llm_prompt_speech_token"][0])
-    np.testing.assert_array_equal(zs.speech_tokens, golden["zero_shot_spk/flow_prompt_speech_token"][0])
-    np.testing.assert_array_equal(zs.speech_feat, golden["zero_shot_spk/prompt_speech_feat"][0])
-    np.testing.assert_array_equal(zs.embedding, golden["zero_shot_spk/llm_embedding"][0])
-    np.testing.assert_array_equal(zs.embedding, golden["zero_shot_spk/flow_embedding"][0])
-    assert zs.speech_tokens.dtype == np.int32 and zs.speech_feat.dtype == np.float32
+    np.testing.assert_array_equal(zs.voice.prompt_text_tokens, golden["zero_shot_spk/prompt_text"][0])
+    np.testing.assert_array_equal(zs.voice.speech_tokens, golden["zero_shot_spk/llm_prompt_speech_token"][0])
+    np.testing.assert_array_equal(zs.voice.speech_tokens, golden["zero_shot_spk/flow_prompt_speech_token"][0])
+    np.testing.assert_array_equal(zs.voice.speech_feat, golden["zero_shot_spk/prompt_speech_feat"][0])
+    np.testing.assert_array_equal(zs.voice.embedding, golden["zero_shot_spk/llm_embedding"][0])
+    np.testing.assert_array_equal(zs.voice.embedding, golden["zero_shot_spk/flow_embedding"][0])
+    assert zs.voice.speech_tokens.dtype == np.int32 and zs.voice.speech_feat.dtype == np.float32
 
     sft = store.get("tiny_sft_spk")
     assert sft.kind == "sft"
-    np.testing.assert_array_equal(sft.embedding, golden["sft/flow_embedding"][0])
-    np.testing.assert_array_equal(sft.embedding, golden["sft/llm_embedding"][0])
+    np.testing.assert_array_equal(sft.voice.embedding, golden["sft/flow_embedding"][0])
+    np.testing.assert_array_equal(sft.voice.embedding, golden["sft/llm_embedding"][0])
 
     with pytest.raises(SpeakerExists, match="tiny_sft_spk, tiny_zs_spk"):
         store.import_spk2info(tiny_dir / "spk2info.pt")

@@ -2,6 +2,7 @@
 driver (golden/e2e_*.npz, README section e)."""
 import numpy as np
 import pytest
+from conftest import next_job_upto
 import torch
 
 from async_cosyvoice.models.hift import NSFNoise
@@ -137,7 +138,7 @@ def test_golden_end_to_end_with_flow(golden_dir, flow, hift, run):
 def plan_only(stream, tokens, llm_done=True):
     """Drive the schedule with silent HiFT outputs; returns [(n_tokens, offset, finalize, samples)]."""
     sched, out = stream.schedule, []
-    while (job := stream.next_job(tokens, llm_done)) is not None:
+    while (job := next_job_upto(stream, tokens, llm_done)) is not None:
         mel, _ = stream.hift_input(job, torch.zeros(1, 80, 2 * (job.n_tokens - (0 if job.finalize else 3))))
         n = mel.shape[2] * sched.samples_per_frame
         samples = stream.finish(job, mel, torch.zeros(1, n), torch.zeros(1, 1, n))
@@ -196,20 +197,20 @@ def test_first_chunk_shorter_than_the_hift_cache(hift, first_hop):
 def test_waits_for_hop_plus_lookahead():
     stream = silent_stream(75, first_hop=15)
     tokens = list(range(40))
-    assert stream.next_job(tokens[:17], llm_done=False) is None
-    job = stream.next_job(tokens[:18], llm_done=False)
+    assert next_job_upto(stream, tokens[:17], llm_done=False) is None
+    job = next_job_upto(stream, tokens[:18], llm_done=False)
     assert (job.n_tokens, job.token_offset, job.hop, job.finalize, job.streaming) == (18, 0, 15, False, True)
-    again = stream.next_job(tokens[:30], llm_done=False)  # planning is pure: same job until it is applied
+    again = next_job_upto(stream, tokens[:30], llm_done=False)  # planning is pure: same job until it is applied
     assert (again.index, again.n_tokens, again.token_offset) == (0, 18, 0)
     plan_only(stream, tokens[:18], llm_done=False)
     assert stream.token_offset == 15 and stream.hop == 30
-    assert stream.next_job(tokens[:47], llm_done=False) is None
-    job = stream.next_job(tokens[:40], llm_done=True)  # LLM done, no full chunk left: final call
+    assert next_job_upto(stream, tokens[:47], llm_done=False) is None
+    job = next_job_upto(stream, tokens[:40], llm_done=True)  # LLM done, no full chunk left: final call
     assert (job.n_tokens, job.token_offset, job.finalize, job.streaming) == (40, 15, True, False)
 
     nonstream = silent_stream(75, stream=False)
-    assert nonstream.next_job(tokens, llm_done=False) is None
-    job = nonstream.next_job(torch.tensor([tokens]), llm_done=True)
+    assert next_job_upto(nonstream, tokens, llm_done=False) is None
+    job = next_job_upto(nonstream, torch.tensor([tokens]), llm_done=True)
     assert (job.n_tokens, job.token_offset, job.finalize, job.streaming) == (40, 0, True, False)
     assert job.tokens.dtype == torch.int32 and job.tokens.tolist() == [tokens]
 
@@ -224,7 +225,7 @@ def test_a_new_stream_starts_from_the_first_hop():
 def test_stale_and_foreign_jobs_are_rejected():
     a, b = silent_stream(75, first_hop=15), silent_stream(75, first_hop=15)
     tokens = list(range(40))
-    job = a.next_job(tokens, False)
+    job = next_job_upto(a, tokens, False)
     with pytest.raises(ValueError):
         b.hift_input(job, torch.zeros(1, 80, 30))
     plan_only(a, tokens[:18], llm_done=False)
@@ -232,12 +233,9 @@ def test_stale_and_foreign_jobs_are_rejected():
         a.hift_input(job, torch.zeros(1, 80, 30))
 
 
-def test_argument_checks():
+def test_argument_checks():  # request-level rules (speed, hops) are tests/test_rules.py
     with pytest.raises(ValueError, match="prompt_feat"):
         Token2WavStream(torch.zeros(1, 10, dtype=torch.int32), torch.zeros(1, 19, 80), torch.zeros(1, 192))
-    with pytest.raises(ValueError, match="speed"):
-        Token2WavStream(torch.zeros(1, 10, dtype=torch.int32), torch.zeros(1, 20, 80), torch.zeros(1, 192),
-                        stream=True, speed=1.5)
     with pytest.raises(ValueError):
         ChunkSchedule(first_hop=0)
 
@@ -302,7 +300,7 @@ def test_interleaved_streams_do_not_affect_each_other(golden_dir, hift):
     for step in range(1, max(len(tok_a), len(tok_b)) + 1):
         for s, toks in ((sb, tok_b), (sa, tok_a)) if step % 2 else ((sa, tok_a), (sb, tok_b)):
             so_far, done = toks[:step], step >= len(toks)
-            while (job := s.next_job(so_far, done)) is not None:
+            while (job := next_job_upto(s, so_far, done)) is not None:
                 got[id(s)].append(runner.run(job))
     assert sa.finished and sb.finished
     for alone, mine in ((alone_a, got[id(sa)]), (alone_b, got[id(sb)])):
@@ -336,7 +334,7 @@ def test_run_many_batches_streams(golden_dir, hift):
     runner = Token2WavRunner(FakeFlow(), CountingHiFT())
     got = [[] for _ in streams]
     for step in range(10, 121, 10):  # tokens arrive in bursts of 10
-        jobs = [j for s, toks in streams if (j := s.next_job(toks[:step], step >= len(toks))) is not None]
+        jobs = [j for s, toks in streams if (j := next_job_upto(s, toks[:step], step >= len(toks))) is not None]
         for job, out in zip(jobs, runner.run_many(jobs)):
             got[[s for s, _ in streams].index(job.stream)].append(out)
     assert all(s.finished for s, _ in streams)
@@ -347,7 +345,7 @@ def test_run_many_batches_streams(golden_dir, hift):
 
     with pytest.raises(ValueError, match="one job per stream"):
         s, _ = make()
-        job = s.next_job(tok_a, True)
+        job = next_job_upto(s, tok_a, True)
         runner = Token2WavRunner(FakeFlow(), hift)
         runner.run_many([job, job])
 

@@ -19,10 +19,9 @@ if TYPE_CHECKING:
 def _t2w_schedule(synth: "Synthesizer", first_hop: int | None):
     """The chunk schedule `Synthesizer` uses for a streamed request."""
     from ..token2wav import ChunkSchedule
-    from ..tts import SynthesisOptions
 
     dims = synth.dims
-    return ChunkSchedule(first_hop=first_hop or SynthesisOptions().first_hop,
+    return ChunkSchedule(first_hop=first_hop or synth.config.token2wav.first_hop,
                          max_hop_multiple=synth.config.token2wav.max_hop_multiple, prompt_align=1,
                          pre_lookahead=dims.flow.pre_lookahead_len, token_mel_ratio=dims.token_mel_ratio,
                          samples_per_frame=dims.hift.samples_per_frame)
@@ -43,11 +42,11 @@ async def _t2w_round(synth: "Synthesizer", batcher, voice, token_lists: Sequence
     async def drive(i: int, tokens: np.ndarray) -> RequestResult:
         stream = Token2WavStream(prompt_token, prompt_feat, embedding, stream=True, schedule=schedule,
                                  noise=synth._noise(seed + i, 0))
-        token_list = tokens.tolist()
+        stream.append(tokens)
         start = time.monotonic()
         result = RequestResult(index=i, seed=seed + i, start_s=start - t0, total_s=0.0)
         first_at, samples = None, 0
-        while (job := stream.next_job(token_list, llm_done=True)) is not None:
+        while (job := stream.next_job(llm_done=True)) is not None:
             deadline = time.monotonic() if first_at is None else first_at + samples / rate
             out = await batcher.submit(job, deadline)
             now = time.monotonic()
@@ -90,14 +89,11 @@ async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int,
     Both modes use the synthesizer's own Token2WavRunner through a fresh Token2WavBatcher; the
     synthesizer must be idle meanwhile. Throughput = audio seconds rendered / wall seconds."""
     from ..frontend.model_input import build_model_input
-    from ..frontend.prompt import PromptFeatures
+    from ..request import Mode
     from ..token2wav_batcher import Token2WavBatcher
-    from ..tts import Mode
 
     record = synth.speakers.get(speaker_id)
-    voice = build_model_input(Mode.ZERO_SHOT_BY_SPK_ID,
-                              PromptFeatures(record.speech_tokens, record.speech_feat, record.embedding),
-                              text_tokens=(0,), prompt_text_tokens=tuple(int(t) for t in record.prompt_text_tokens))
+    voice = build_model_input(Mode.ZERO_SHOT_BY_SPK_ID, record.voice, text_tokens=(0,))
     rng = np.random.default_rng(seed)
     vocab = synth.dims.flow.vocab_size
     token_lists = [rng.integers(0, vocab, tokens, dtype=np.int64) for _ in range(concurrency)]
@@ -105,7 +101,7 @@ async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int,
     runner = synth.batcher.runner
     batch_size = max_batch or max(concurrency, synth.config.token2wav.max_batch)
     modes = {"batched": dict(max_batch=batch_size, batching=True), "sequential": dict(max_batch=1, batching=False)}
-    out: dict = {"concurrency": concurrency, "tokens": tokens, "prompt_tokens": int(record.speech_tokens.size),
+    out: dict = {"concurrency": concurrency, "tokens": tokens, "prompt_tokens": record.voice.n_tokens,
                  "first_hop": schedule.first_hop, "max_batch": batch_size}
     warm_tokens = schedule.first_hop + schedule.pre_lookahead + 2 * schedule.first_hop
     for name, kwargs in modes.items():

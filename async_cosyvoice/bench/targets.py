@@ -26,7 +26,7 @@ class InProcessTarget:
         self.synth = synth
 
     async def stream(self, workload: Workload, seed: int) -> AsyncIterator[float]:
-        from ..tts import Mode, SynthesisOptions, SynthesisRequest
+        from ..request import Mode, SynthesisOptions, SynthesisRequest
 
         opts = SynthesisOptions(stream=workload.stream, seed=seed, max_tokens=workload.tokens,
                                 **({"first_hop": workload.first_hop} if workload.first_hop else {}))
@@ -61,7 +61,7 @@ async def register_in_process(synth: "Synthesizer", spec: SpeakerSpec) -> int:
         record = await synth.register_speaker(spec.speaker_id, spec.prompt_text, spec.audio(), overwrite=True)
     else:
         record = synth.speakers.get(spec.speaker_id)
-    return int(record.speech_tokens.size)
+    return record.voice.n_tokens
 
 
 async def register_grpc(client, spec: SpeakerSpec) -> float | None:

@@ -25,12 +25,11 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
-from ..models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
-from ..sampling import ras_log_probs
+from ..models.dims import RASParams
+from ..sampling import ras_log_probs, suppress_batch
 
 EXTRA_ARGS_KEY = "cosyvoice_ras"
 _EPS = 1e-6
-_STOP_IDS = list(STOP_TOKENS)
 
 
 def ras_extra_args(params: RASParams, min_tokens: int = 0, ignore_stop_tokens: bool = False) -> dict[str, Any]:
@@ -144,8 +143,7 @@ class RASLogitsProcessor(LogitsProcessor):
                 history[row, b.max_win - len(recent):] = torch.tensor(recent, dtype=torch.long)
 
         rows = logits.index_select(0, b.index)
-        rows[:, EOS_TOKEN].masked_fill_(n_out < b.min_tokens, float("-inf"))
-        rows[:, _STOP_IDS] = rows[:, _STOP_IDS].masked_fill(b.ignore_stop[:, None], float("-inf"))
+        suppress_batch(rows, n_out, b.min_tokens, b.ignore_stop)
         logp = ras_log_probs(rows, history.to(logits.device), top_p=b.top_p, top_k=b.top_k,
                              win_size=b.win_size, tau_r=b.tau_r)
         logits.index_copy_(0, b.index, logp.to(logits.dtype))

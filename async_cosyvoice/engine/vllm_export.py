@@ -21,31 +21,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ..model_dir import LLM_FILE, QWEN_CONFIG, ModelDirError, load_state_dict_file, normalize_llm_state_dict
+from ..errors import ModelDirError
+from ..files import atomic_directory, cache_root
+from ..model_dir import LLM_FILE, QWEN_CONFIG, load_state_dict_file, normalize_llm_state_dict
 from ..models.dims import SPEECH_VOCAB
 
 log = logging.getLogger(__name__)
 
 EXPORT_VERSION = 1
 ARCHITECTURE = "CosyVoice2ForCausalLM"
-CACHE_ENV = "ASYNC_COSYVOICE_CACHE"
 SOURCE_RECORD = "export_source.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def default_cache_dir() -> Path:
-    """`$ASYNC_COSYVOICE_CACHE/vllm`, else `$XDG_CACHE_HOME/async_cosyvoice/vllm` (~/.cache)."""
-    root = os.environ.get(CACHE_ENV)
-    if root:
-        return Path(root) / "vllm"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "async_cosyvoice" / "vllm"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -81,30 +72,24 @@ def export_for_vllm(model_dir: str | Path, dtype: str | torch.dtype = "bfloat16"
                     cache_dir: str | Path | None = None) -> Path:
     """Return a vLLM-loadable directory for `model_dir`, exporting it first if the cache lacks it."""
     model_dir = Path(model_dir).resolve()
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = Path(cache_dir) if cache_dir is not None else cache_root() / "vllm"
     key = export_key(model_dir, dtype)
     target = cache_dir / key
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _complete(target):
         return target
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=cache_dir))
-    try:
-        log.info("exporting %s (%s) for vLLM into %s", model_dir / LLM_FILE, dtype_name(dtype), target)
+    log.info("exporting %s (%s) for vLLM into %s", model_dir / LLM_FILE, dtype_name(dtype), target)
+    # a damaged earlier export is replaced; a concurrent exporter's finished copy is kept
+    with atomic_directory(target, finished=_complete) as tmp:
         write_export(model_dir, tmp, dtype)
         (tmp / SOURCE_RECORD).write_text(json.dumps(
             {"model_dir": str(model_dir), "dtype": dtype_name(dtype), "version": EXPORT_VERSION}))
-        if target.exists():  # a damaged earlier export (complete ones returned above)
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent exporter's finished copy
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     _prune_stale(cache_dir, model_dir, dtype_name(dtype), keep=key)
     return target
+
+
+def _complete(export: Path) -> bool:
+    return (export / "config.json").is_file() and (export / "model.safetensors").is_file()
 
 
 def write_export(model_dir: Path, out_dir: Path, dtype: str | torch.dtype) -> None:

@@ -40,7 +40,7 @@ def make_estimator(kind: str, flow: "Flow", device: torch.device | str | None = 
     backends are built for (compiled: the largest CUDA-graph batch bucket; tensorrt: the profile;
     larger calls are split or run uncaptured). max_frames / opt_frames: prompt + target mel frames
     (tensorrt profile; longer calls run on PyTorch). cache_dir: where ONNX files and TensorRT
-    plans are kept (default onnx_export.default_cache_dir()). flow_pt: the flow.pt path, hashed
+    plans are kept (default files.cache_root()). flow_pt: the flow.pt path, hashed
     for the cache key (else the estimator's tensors are). chunked: also build the chunked-attention
     graph (onnxruntime / tensorrt), else streaming rows run on PyTorch. threads: onnxruntime
     intra-op threads. compile / cuda_graphs: for "compiled" (cuda_graphs None: on CUDA devices).

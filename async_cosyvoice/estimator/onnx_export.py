@@ -13,7 +13,7 @@ frames counted from frame 0) baked in. Backends run each row on the graph that i
 
 Exports are cached as `<cache_dir>/estimator.<full|chunked>.<key>.onnx`, key = hash of the
 weights (the flow.pt file when its path is given, else the estimator's tensors), the estimator
-dims, the attention pattern, the opset and EXPORT_VERSION. The default cache dir is
+dims, the attention pattern, the opset and EXPORT_VERSION. The default cache dir is `files.cache_root()`:
 $ASYNC_COSYVOICE_CACHE, else $XDG_CACHE_HOME/async_cosyvoice, else ~/.cache/async_cosyvoice.
 """
 from __future__ import annotations
@@ -23,14 +23,13 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from ..files import atomic_writer, cache_root
 from .base import INPUT_NAMES, OUTPUT_NAME
 
 log = logging.getLogger(__name__)
@@ -50,13 +49,6 @@ class FixedAttention(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor) -> Tensor:
         return self.estimator(x, mask, mu, t, spks, cond, streaming=self.streaming)
-
-
-def default_cache_dir() -> Path:
-    if env := os.environ.get("ASYNC_COSYVOICE_CACHE"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "async_cosyvoice"
 
 
 def _file_digest(path: Path) -> str:
@@ -110,39 +102,31 @@ def export_estimator(estimator: nn.Module, path: str | Path, *, streaming: bool 
     if exporter not in ("legacy", "dynamo"):
         raise ValueError(f"exporter must be 'legacy' or 'dynamo', got {exporter!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     module = FixedAttention(copy.deepcopy(estimator).to("cpu", torch.float32), streaming).eval()
     args = dummy_inputs(estimator)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if exporter == "legacy":
-                axes = {n: {0: "batch", 2: "seq_len"} for n in ("x", "mask", "mu", "cond", OUTPUT_NAME)}
-                axes.update(t={0: "batch"}, spks={0: "batch"})
-                torch.onnx.export(module, args, tmp, input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
-                                  opset_version=opset, do_constant_folding=True, dynamic_axes=axes, dynamo=False)
-            else:
-                batch = torch.export.Dim("batch", min=1, max=4096)
-                seq = torch.export.Dim("seq_len", min=4, max=15000)  # the flow noise covers 15000 frames
-                # in input order: the exporter renames the axes by position
-                shapes = {n: ({0: batch, 2: seq} if n in ("x", "mask", "mu", "cond") else {0: batch})
-                          for n in INPUT_NAMES}
-                torch.onnx.export(module, args, tmp, input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
-                                  opset_version=opset, dynamo=True, dynamic_shapes=shapes, external_data=False,
-                                  verbose=False)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_writer(path) as tmp, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "legacy":
+            axes = {n: {0: "batch", 2: "seq_len"} for n in ("x", "mask", "mu", "cond", OUTPUT_NAME)}
+            axes.update(t={0: "batch"}, spks={0: "batch"})
+            torch.onnx.export(module, args, str(tmp), input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
+                              opset_version=opset, do_constant_folding=True, dynamic_axes=axes, dynamo=False)
+        else:
+            batch = torch.export.Dim("batch", min=1, max=4096)
+            seq = torch.export.Dim("seq_len", min=4, max=15000)  # the flow noise covers 15000 frames
+            # in input order: the exporter renames the axes by position
+            shapes = {n: ({0: batch, 2: seq} if n in ("x", "mask", "mu", "cond") else {0: batch})
+                      for n in INPUT_NAMES}
+            torch.onnx.export(module, args, str(tmp), input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
+                              opset_version=opset, dynamo=True, dynamic_shapes=shapes, external_data=False,
+                              verbose=False)
     return path
 
 
 def cached_export(estimator: nn.Module, *, streaming: bool, cache_dir: str | Path | None = None,
                   flow_pt: str | Path | None = None, exporter: str = "legacy") -> Path:
     """The cached ONNX file for this estimator and attention pattern, exported on first use."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = Path(cache_dir) if cache_dir is not None else cache_root()
     kind = "chunked" if streaming else "full"
     path = cache_dir / f"estimator.{kind}.{export_key(estimator, streaming, flow_pt)}.onnx"
     if path.is_file() and path.stat().st_size > 0:

@@ -27,13 +27,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ..files import atomic_write_bytes
 from .base import INPUT_NAMES, OUTPUT_NAME, MissingBackendError
 
 log = logging.getLogger(__name__)
@@ -114,16 +113,7 @@ def build_engine(onnx_path: Path, out_path: Path, dtype: torch.dtype, shapes: di
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise RuntimeError(f"TensorRT failed to build an engine from {onnx_path} (see the TensorRT log above)")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out_path.name + ".", suffix=".tmp", dir=out_path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(serialized)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out_path
+    return atomic_write_bytes(out_path, bytes(serialized), fsync=False)
 
 
 class TensorRTGraph:

@@ -156,10 +156,6 @@ class CompiledEstimator:
                 self(z, torch.ones(b, 1, t, dtype=self.dtype, device=self.device), z,
                      torch.zeros(b, dtype=self.dtype, device=self.device), z[:, :, 0], z, False)
 
-    @property
-    def graph_buckets(self) -> list[tuple[int, int]]:
-        return sorted(self._graphs)
-
     @torch.inference_mode()
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool | Tensor = False) -> Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidRequest
 from ..models.dims import MelDims
-from ..tts import Audio
+from ..request import Audio
 
 AudioSource = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO]
 
@@ -57,8 +57,10 @@ def load_audio(source: AudioSource) -> Audio:
     try:
         data, sample_rate = sf.read(source, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
+        # LibsndfileError's str() names the Python file object ("<_io.BytesIO object at 0x..>")
+        reason = getattr(e, "error_string", None) or str(e)
         raise AudioError(f"cannot decode {name} as audio (supported containers: wav, flac, ogg, "
-                         f"mp3 and the other libsndfile formats): {e}") from None
+                         f"mp3 and the other libsndfile formats): {reason}") from None
     if data.shape[0] == 0:
         raise AudioError(f"{name} contains no samples")
     return Audio(_to_mono(data), int(sample_rate))
@@ -78,7 +80,7 @@ def pcm_to_audio(data: bytes, sample_rate: int, encoding: str = "s16le", channel
     `encoding` is one of `PCM_ENCODINGS`: s16le, s32le (integer, scaled to [-1, 1)) or f32le.
     """
     if encoding not in PCM_ENCODINGS:
-        raise AudioError(f"unknown PCM encoding {encoding!r}; expected one of {sorted(PCM_ENCODINGS)}")
+        raise AudioError(f"unknown PCM encoding {encoding!r}; expected one of {', '.join(sorted(PCM_ENCODINGS))}")
     if sample_rate <= 0:
         raise AudioError(f"sample rate must be positive, got {sample_rate}")
     if channels < 1:

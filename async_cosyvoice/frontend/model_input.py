@@ -12,8 +12,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from ..errors import InvalidRequest
-from ..tts import Mode
-from .prompt import PromptFeatures
+from ..request import Mode, Voice
 
 PromptTextSource = Literal["transcript", "instruction"]
 
@@ -104,16 +103,16 @@ class ModelInput:
         return out
 
 
-def build_model_input(mode: Mode | str, voice: PromptFeatures, *, text_tokens: Sequence[int] = (),
-                      prompt_text_tokens: Sequence[int] = (),
+def build_model_input(mode: Mode | str, voice: Voice, *, text_tokens: Sequence[int] = (),
+                      instruction_tokens: Sequence[int] = (),
                       source_speech_tokens: Sequence[int] | None = None) -> ModelInput:
     """Assemble the inputs of one segment.
 
-    voice: the prompt's features (`PromptEncoder.encode`, VC: `encode_unaligned`) or a stored
-        speaker's (`ZeroShotSpeaker.prompt`, `SftSpeaker.prompt`).
+    voice: a prepared voice (`PromptEncoder.encode` of prompt audio, with the transcript where the
+        mode has one, or a stored speaker's). Its transcript tokens are the LM prompt text of the
+        modes whose `lm_prompt_text` is "transcript".
     text_tokens: the target text (ignored by VC).
-    prompt_text_tokens: the tokens named by `MODE_SPECS[mode].lm_prompt_text` (the transcript or
-        the instruction); ignored by modes without LM prompt text.
+    instruction_tokens: the LM prompt text of the modes whose `lm_prompt_text` is "instruction".
     source_speech_tokens: VC only, the source audio's speech tokens.
     """
     mode = Mode(mode)
@@ -122,15 +121,17 @@ def build_model_input(mode: Mode | str, voice: PromptFeatures, *, text_tokens: S
         raise InvalidRequest(f"mode {mode.value} needs a voice with prompt speech tokens and mel; "
                              "this voice has only an embedding (an sft speaker?)")
     if spec.runs_lm:
-        voice = voice.aligned()  # a no-op for encoder output and imported speakers
+        voice = voice.aligned()  # a no-op for encoder output and stored speakers
     elif source_speech_tokens is None or len(source_speech_tokens) == 0:
         raise InvalidRequest(f"mode {mode.value} needs source speech tokens")
+    prompt_text = {"transcript": voice.prompt_text_tokens, "instruction": _ids(instruction_tokens),
+                   None: _NO_IDS}[spec.lm_prompt_text]
     flow_tokens = voice.speech_tokens if spec.flow_prompt else _NO_IDS
     feat = voice.speech_feat if spec.flow_prompt else np.zeros((0, voice.speech_feat.shape[1]), np.float32)
     return ModelInput(
         mode=mode,
         text=_ids(text_tokens) if spec.runs_lm else _NO_IDS,
-        prompt_text=_ids(prompt_text_tokens) if spec.lm_prompt_text is not None else _NO_IDS,
+        prompt_text=prompt_text,
         llm_prompt_speech_token=voice.speech_tokens if spec.lm_prompt_speech else _NO_IDS,
         flow_prompt_speech_token=flow_tokens,
         prompt_speech_feat=feat,

@@ -13,7 +13,6 @@ so one encoder can serve many executor threads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import onnxruntime as ort
 import torch
 
 from ..models.dims import MelDims
-from ..tts import Audio
+from ..request import Audio, Voice
 from . import audio as A
 
 TOKENIZER_SAMPLE_RATE = 16000
@@ -29,40 +28,6 @@ SPEECH_TOKENIZER_MAX_SECONDS = 30.0  # the tokenizer's whisper encoder window
 SPEECH_TOKENIZER_FILE = "speech_tokenizer_v2.onnx"
 CAMPPLUS_FILE = "campplus.onnx"
 EMBEDDING_DIM = 192
-
-
-@dataclass(frozen=True, eq=False)
-class PromptFeatures:
-    """What a prompt voice contributes: speech tokens (int32 [P]), the 24 kHz mel (float32 [T, 80],
-    T == 2P once aligned) and the CAM++ speaker embedding (float32 [192])."""
-    speech_tokens: np.ndarray
-    speech_feat: np.ndarray
-    embedding: np.ndarray
-
-    def __post_init__(self):
-        object.__setattr__(self, "speech_tokens", np.asarray(self.speech_tokens, dtype=np.int32).reshape(-1))
-        feat = np.asarray(self.speech_feat, dtype=np.float32)
-        if feat.ndim != 2:
-            raise ValueError(f"speech_feat must be [frames, mels], got shape {feat.shape}")
-        object.__setattr__(self, "speech_feat", feat)
-        object.__setattr__(self, "embedding", np.asarray(self.embedding, dtype=np.float32).reshape(-1))
-
-    @classmethod
-    def embedding_only(cls, embedding, n_mels: int = 80) -> "PromptFeatures":
-        """A voice known only by its embedding (sft speakers): no prompt tokens or mel."""
-        return cls(np.zeros(0, np.int32), np.zeros((0, n_mels), np.float32), embedding)
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.speech_tokens.shape[0])
-
-    def aligned(self, token_mel_ratio: int = 2) -> "PromptFeatures":
-        """Truncate to token_len = min(frames // ratio, P) tokens and ratio * token_len frames
-        (upstream `frontend_zero_shot`; the flow needs exactly `ratio` frames per prompt token)."""
-        n = min(self.speech_feat.shape[0] // token_mel_ratio, self.n_tokens)
-        if n == self.n_tokens and self.speech_feat.shape[0] == token_mel_ratio * n:
-            return self
-        return PromptFeatures(self.speech_tokens[:n], self.speech_feat[: token_mel_ratio * n], self.embedding)
 
 
 def _session(path: str | Path) -> ort.InferenceSession:
@@ -137,18 +102,18 @@ class PromptEncoder:
 
     # -- whole prompts ------------------------------------------------------------------------
 
-    def encode(self, audio: Audio) -> PromptFeatures:
-        """Prompt features for TTS modes: tokens and mel aligned to 2 frames per token."""
+    def encode(self, audio: Audio) -> Voice:
+        """The voice of prompt audio for TTS modes: tokens and mel aligned to 2 frames per token (no transcript yet)."""
         return self.encode_unaligned(audio).aligned()
 
-    def encode_unaligned(self, audio: Audio) -> PromptFeatures:
+    def encode_unaligned(self, audio: Audio) -> Voice:
         """Prompt features without alignment (the VC prompt, like upstream `frontend_vc`)."""
         x16k = A.audio_at_rate(audio, TOKENIZER_SAMPLE_RATE)
         x24k = A.audio_at_rate(audio, self.mel.sampling_rate)
-        features = PromptFeatures(self.speech_tokens(x16k), self.speech_feat(x24k), self.speaker_embedding(x16k))
-        if features.n_tokens == 0 or features.speech_feat.shape[0] < 2:
+        tokens, feat = self.speech_tokens(x16k), self.speech_feat(x24k)
+        if tokens.size == 0 or feat.shape[0] < 2:
             raise A.AudioError(f"prompt audio is too short ({audio.seconds:.3f} s) to yield speech tokens")
-        return features
+        return Voice(tokens, feat, self.speaker_embedding(x16k))
 
     encode_vc_prompt = encode_unaligned
 

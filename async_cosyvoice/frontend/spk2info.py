@@ -13,19 +13,18 @@ Files are read with `torch.load(weights_only=True)`, so no pickled code is ever 
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import InvalidRequest
 from ..models.dims import SPEECH_TOKEN_SIZE
-from .prompt import EMBEDDING_DIM, PromptFeatures
+from ..request import Voice
+from .prompt import EMBEDDING_DIM
 
 N_MELS = 80
 
@@ -45,68 +44,26 @@ class Spk2InfoError(InvalidRequest):
     """A speaker file or entry that is not one of the recognised layouts, or is inconsistent."""
 
 
-Layout = Literal["upstream_zero_shot", "upstream_sft", "peer"]
-Kind = Literal["zero_shot", "sft"]
+Tokenize = Callable[[str], Sequence[int]]
 
 
-@dataclass(frozen=True, eq=False)
-class Spk2InfoEntry:
-    """One imported speaker. The field names match `speakers.SpeakerRecord`, so a record of the
-    store converts field by field (and `save_spk2info` accepts either).
-
-    zero_shot: aligned prompt tokens int32 [P] and mel float32 [2P, 80], the embedding float32
-    [192], and the prompt transcript as token ids (`prompt_text_tokens`, upstream layout) and/or
-    text (`prompt_text`, peer layout; "" when unknown). sft: the embedding only.
-    """
-    speaker_id: str
-    kind: Kind
-    layout: Layout
-    prompt_text: str
-    prompt_text_tokens: np.ndarray | None  # None only for peer entries stored without token ids
-    speech_tokens: np.ndarray
-    speech_feat: np.ndarray
-    embedding: np.ndarray
-
-    @property
-    def prompt(self) -> PromptFeatures:
-        """The voice for `build_model_input` (embedding only for sft speakers)."""
-        return PromptFeatures(self.speech_tokens, self.speech_feat, self.embedding)
-
-    def text_tokens(self, tokenize: Callable[[str], Sequence[int]] | None = None) -> np.ndarray:
-        """The prompt transcript as int32 ids; tokenizes `prompt_text` when only the text is stored."""
-        return _text_tokens(self, tokenize)
-
-    def replace_id(self, speaker_id: str) -> "Spk2InfoEntry":
-        return dataclasses.replace(self, speaker_id=speaker_id)
-
-
-def _zero_shot(spk_id: str, layout: Layout, prompt: PromptFeatures, text_tokens: np.ndarray | None,
-               text: str) -> Spk2InfoEntry:
-    return Spk2InfoEntry(spk_id, "zero_shot", layout, text, text_tokens,
-                         prompt.speech_tokens, prompt.speech_feat, prompt.embedding)
-
-
-def _sft(spk_id: str, embedding: Any) -> Spk2InfoEntry:
-    return Spk2InfoEntry(spk_id, "sft", "upstream_sft", "", np.zeros(0, np.int32), np.zeros(0, np.int32),
-                         np.zeros((0, N_MELS), np.float32), _embedding(embedding, spk_id, "embedding"))
-
-
-def _text_tokens(record: Any, tokenize: Callable[[str], Sequence[int]] | None) -> np.ndarray:
-    tokens = getattr(record, "prompt_text_tokens", None)
-    if tokens is not None:
-        return np.asarray(tokens, dtype=np.int32).reshape(-1)
-    if tokenize is None:
-        raise Spk2InfoError(f"speaker {record.speaker_id!r} stores its prompt text only as a string; "
-                            "a text tokenizer is needed to use it")
-    return np.asarray(list(tokenize(record.prompt_text)), dtype=np.int32)
+def _zero_shot(spk_id: str, tokens: np.ndarray, feat: np.ndarray, embedding: np.ndarray, text: str,
+               text_tokens: np.ndarray | None, tokenize: Tokenize | None) -> Voice:
+    if text_tokens is None:
+        if tokenize is None:
+            raise Spk2InfoError(f"speaker {spk_id!r} stores its prompt text only as a string; "
+                                "importing it needs the model's text tokenizer")
+        text_tokens = np.asarray(list(tokenize(text)), dtype=np.int32)
+    return Voice(tokens, feat, embedding, text, text_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
 # Import
 
 
-def load_spk2info(path: str | Path) -> list[Spk2InfoEntry]:
-    """Read an upstream/peer `spk2info.pt` (weights-only unpickling) into records, in file order."""
+def load_spk2info(path: str | Path, tokenize: Tokenize | None = None) -> dict[str, Voice]:
+    """Read an upstream/peer `spk2info.pt` (weights-only unpickling): speaker id -> Voice, in file
+    order. Peer entries that store their transcript only as text need `tokenize`."""
     path = Path(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -115,39 +72,39 @@ def load_spk2info(path: str | Path) -> list[Spk2InfoEntry]:
     except Exception as e:  # torch wraps unpickling failures in several exception types
         raise Spk2InfoError(f"{path}: not a loadable spk2info file (torch.load weights_only=True): "
                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    return parse_spk2info(obj, source=str(path))
+    return parse_spk2info(obj, source=str(path), tokenize=tokenize)
 
 
-def parse_spk2info(obj: Any, source: str = "spk2info") -> list[Spk2InfoEntry]:
-    """A loaded spk2info dict (speaker id -> entry) -> records, in dict order."""
+def parse_spk2info(obj: Any, source: str = "spk2info", tokenize: Tokenize | None = None) -> dict[str, Voice]:
+    """A loaded spk2info dict (speaker id -> entry) -> speaker id -> Voice, in dict order."""
     if not isinstance(obj, Mapping):
         raise Spk2InfoError(f"{source}: expected a dict speaker id -> entry, got {type(obj).__name__}")
-    records = []
+    voices = {}
     for spk_id, entry in obj.items():
         if not isinstance(spk_id, str):
             raise Spk2InfoError(f"{source}: speaker ids must be strings, got {spk_id!r}")
-        records.append(parse_entry(spk_id, entry))
-    return records
+        voices[spk_id] = parse_entry(spk_id, entry, tokenize)
+    return voices
 
 
-def parse_entry(spk_id: str, entry: Any) -> Spk2InfoEntry:
-    """One spk2info entry -> a record; `Spk2InfoError` naming the entry for any other layout."""
+def parse_entry(spk_id: str, entry: Any, tokenize: Tokenize | None = None) -> Voice:
+    """One spk2info entry -> its Voice; `Spk2InfoError` naming the entry for any other layout."""
     if not isinstance(entry, Mapping):
         raise Spk2InfoError(f"speaker {spk_id!r}: expected a dict entry, got {type(entry).__name__}")
     keys = frozenset(entry)
     if keys == UPSTREAM_ZERO_SHOT_KEYS:
         return _parse_upstream_zero_shot(spk_id, entry)
     if keys == UPSTREAM_SFT_KEYS:
-        return _sft(spk_id, entry["embedding"])
+        return Voice.embedding_only(_embedding(entry["embedding"], spk_id, "embedding"))
     if PEER_KEYS <= keys <= PEER_KEYS | PEER_OPTIONAL_KEYS and isinstance(entry["prompt_text"], str):
-        return _parse_peer(spk_id, entry)
+        return _parse_peer(spk_id, entry, tokenize)
     raise Spk2InfoError(
         f"speaker {spk_id!r}: unrecognised entry with keys {sorted(map(str, keys))}; expected the upstream zero-shot "
         f"layout {sorted(UPSTREAM_ZERO_SHOT_KEYS)}, the upstream sft layout ['embedding'], or the peer layout "
         f"{sorted(PEER_KEYS)} (prompt_text a string)")
 
 
-def _parse_upstream_zero_shot(spk_id: str, e: Mapping) -> Spk2InfoEntry:
+def _parse_upstream_zero_shot(spk_id: str, e: Mapping) -> Voice:
     text = _tokens(e["prompt_text"], spk_id, "prompt_text", vocab=None)
     llm_tok = _tokens(e["llm_prompt_speech_token"], spk_id, "llm_prompt_speech_token")
     flow_tok = _tokens(e["flow_prompt_speech_token"], spk_id, "flow_prompt_speech_token")
@@ -168,19 +125,20 @@ def _parse_upstream_zero_shot(spk_id: str, e: Mapping) -> Spk2InfoEntry:
     if feat.shape[0] != 2 * len(flow_tok):
         raise Spk2InfoError(f"speaker {spk_id!r}: prompt_speech_feat has {feat.shape[0]} frames for "
                             f"{len(flow_tok)} tokens; CosyVoice2 entries hold exactly 2 frames per token")
-    return _zero_shot(spk_id, "upstream_zero_shot", PromptFeatures(flow_tok, feat, flow_emb), text, "")
+    return Voice(flow_tok, feat, flow_emb, "", text)
 
 
-def _parse_peer(spk_id: str, e: Mapping) -> Spk2InfoEntry:
+def _parse_peer(spk_id: str, e: Mapping, tokenize: Tokenize | None) -> Voice:
     tokens = _tokens(e["speech_token"], spk_id, "speech_token")
     feat = _feat(e["speech_feat"], spk_id, "speech_feat")
     text_tokens = None
     if e.get("prompt_text_token") is not None:
         text_tokens = _tokens(e["prompt_text_token"], spk_id, "prompt_text_token", vocab=None)
-    prompt = PromptFeatures(tokens, feat, _embedding(e["embedding"], spk_id, "embedding")).aligned()
-    if prompt.n_tokens == 0:
+    n = min(feat.shape[0] // 2, len(tokens))  # aligned to 2 frames per token, like upstream's frontend
+    if n == 0:
         raise Spk2InfoError(f"speaker {spk_id!r}: no prompt speech tokens")
-    return _zero_shot(spk_id, "peer", prompt, text_tokens, e["prompt_text"])
+    return _zero_shot(spk_id, tokens[:n], feat[:2 * n], _embedding(e["embedding"], spk_id, "embedding"),
+                      e["prompt_text"], text_tokens, tokenize)
 
 
 def _array(value: Any, spk_id: str, name: str) -> np.ndarray:
@@ -246,54 +204,41 @@ def _length(value: Any, spk_id: str, name: str) -> int:
 # Export
 
 
-def to_upstream_entry(record: Any,
-                      tokenize: Callable[[str], Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
-    """The upstream dict for one record (an `Spk2InfoEntry` or anything with the same fields, e.g.
-    `speakers.SpeakerRecord`): the `add_zero_shot_spk` layout for zero-shot speakers,
-    `{"embedding": (1, 192)}` for sft speakers."""
-    embedding = _embedding(record.embedding, record.speaker_id, "embedding")
-    emb = torch.from_numpy(embedding.copy())[None]
-    if record.kind == "sft":
+def to_upstream_entry(spk_id: str, voice: Voice) -> dict[str, torch.Tensor]:
+    """The upstream dict for one voice: the `add_zero_shot_spk` layout for zero-shot voices,
+    `{"embedding": (1, 192)}` for sft voices."""
+    emb = torch.from_numpy(voice.embedding.copy())[None]
+    if voice.kind == "sft":
         return {"embedding": emb}
-    if record.kind != "zero_shot":
-        raise Spk2InfoError(f"speaker {record.speaker_id!r}: unknown kind {record.kind!r}")
-    prompt = PromptFeatures(record.speech_tokens, record.speech_feat, embedding)
-    if prompt.speech_feat.shape[0] != 2 * prompt.n_tokens:
-        raise Spk2InfoError(f"speaker {record.speaker_id!r}: {prompt.speech_feat.shape[0]} mel frames for "
-                            f"{prompt.n_tokens} tokens; upstream entries hold exactly 2 frames per token")
+    if not voice.is_aligned:
+        raise Spk2InfoError(f"speaker {spk_id!r}: {voice.speech_feat.shape[0]} mel frames for "
+                            f"{voice.n_tokens} tokens; upstream entries hold exactly 2 frames per token")
 
     def ids(a: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(np.asarray(a, np.int32).copy())[None], torch.tensor([len(a)], dtype=torch.int32)
 
-    prompt_text, prompt_text_len = ids(_text_tokens(record, tokenize))
-    llm_tok, llm_tok_len = ids(prompt.speech_tokens)
-    flow_tok, flow_tok_len = ids(prompt.speech_tokens)
+    prompt_text, prompt_text_len = ids(voice.prompt_text_tokens)
+    llm_tok, llm_tok_len = ids(voice.speech_tokens)
+    flow_tok, flow_tok_len = ids(voice.speech_tokens)
     return {
         "prompt_text": prompt_text, "prompt_text_len": prompt_text_len,
         "llm_prompt_speech_token": llm_tok, "llm_prompt_speech_token_len": llm_tok_len,
         "flow_prompt_speech_token": flow_tok, "flow_prompt_speech_token_len": flow_tok_len,
-        "prompt_speech_feat": torch.from_numpy(prompt.speech_feat.copy())[None],
-        "prompt_speech_feat_len": torch.tensor([prompt.speech_feat.shape[0]], dtype=torch.int32),
+        "prompt_speech_feat": torch.from_numpy(voice.speech_feat.copy())[None],
+        "prompt_speech_feat_len": torch.tensor([voice.speech_feat.shape[0]], dtype=torch.int32),
         "llm_embedding": emb, "flow_embedding": emb.clone(),
     }
 
 
-def export_spk2info(records: Iterable[Any],
-                    tokenize: Callable[[str], Sequence[int]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """Records -> the upstream spk2info dict (speaker id -> entry)."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for r in records:
-        if r.speaker_id in out:
-            raise Spk2InfoError(f"speaker {r.speaker_id!r} appears twice")
-        out[r.speaker_id] = to_upstream_entry(r, tokenize)
-    return out
+def export_spk2info(voices: Mapping[str, Voice]) -> dict[str, dict[str, torch.Tensor]]:
+    """speaker id -> Voice  ->  the upstream spk2info dict (speaker id -> entry)."""
+    return {spk_id: to_upstream_entry(spk_id, voice) for spk_id, voice in voices.items()}
 
 
-def save_spk2info(records: Iterable[Any], path: str | Path,
-                  tokenize: Callable[[str], Sequence[int]] | None = None) -> None:
-    """Write records as an upstream-loadable `spk2info.pt`, atomically (temp file + rename)."""
+def save_spk2info(voices: Mapping[str, Voice], path: str | Path) -> None:
+    """Write voices (speaker id -> Voice) as an upstream-loadable `spk2info.pt`, atomically (temp file + rename)."""
     path = Path(path)
-    data = export_spk2info(records, tokenize)
+    data = export_spk2info(voices)
     fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

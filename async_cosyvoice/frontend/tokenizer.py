@@ -15,6 +15,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from async_cosyvoice.errors import ModelDirError
+
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -31,15 +33,6 @@ COSYVOICE2_SPECIAL_TOKENS: tuple[str, ...] = (
 ENDOFPROMPT = "<|endofprompt|>"
 
 
-class TokenizerError(ValueError):
-    """A tokenizer directory is missing a file or holds an unusable one."""
-
-    def __init__(self, file: str, message: str):
-        self.file = file
-        self.message = message
-        super().__init__(f"{file}: {message}")
-
-
 def qwen2_pipeline(model: BPE) -> Tokenizer:
     """A `Tokenizer` with Qwen2's normalizer / pre-tokenizer / decoder around `model`."""
     tok = Tokenizer(model)
@@ -54,26 +47,26 @@ def qwen2_pipeline(model: BPE) -> Tokenizer:
 
 def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
-        raise TokenizerError(path.name, f"missing (expected {what} at {path})")
+        raise ModelDirError(path.name, f"missing (expected {what} at {path})")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(path.name, f"not valid JSON ({e})") from e
+        raise ModelDirError(path.name, f"not valid JSON ({e})") from e
     if not isinstance(data, dict):
-        raise TokenizerError(path.name, f"expected a JSON object, got {type(data).__name__}")
+        raise ModelDirError(path.name, f"expected a JSON object, got {type(data).__name__}")
     return data
 
 
 def _read_merges(path: Path) -> list[tuple[str, str]]:
     if not path.is_file():
-        raise TokenizerError(path.name, f"missing (expected BPE merges at {path})")
+        raise ModelDirError(path.name, f"missing (expected BPE merges at {path})")
     merges = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line or (n == 1 and line.startswith("#version")):
             continue
         parts = line.split(" ")
         if len(parts) != 2:
-            raise TokenizerError(path.name, f"line {n} is not a 'left right' merge: {line!r}")
+            raise ModelDirError(path.name, f"line {n} is not a 'left right' merge: {line!r}")
         merges.append((parts[0], parts[1]))
     return merges
 
@@ -83,7 +76,7 @@ def _base_tokenizer(d: Path) -> Tokenizer:
         try:
             return Tokenizer.from_file(str(d / "tokenizer.json"))
         except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
-            raise TokenizerError("tokenizer.json", f"cannot be loaded ({e})") from e
+            raise ModelDirError("tokenizer.json", f"cannot be loaded ({e})") from e
     vocab = _read_json(d / "vocab.json", "the BPE vocabulary")
     merges = _read_merges(d / "merges.txt")
     try:
@@ -91,7 +84,7 @@ def _base_tokenizer(d: Path) -> Tokenizer:
                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
                     byte_fallback=False)
     except Exception as e:  # noqa: BLE001
-        raise TokenizerError("vocab.json", f"not a valid BPE together with merges.txt ({e})") from e
+        raise ModelDirError("vocab.json", f"not a valid BPE together with merges.txt ({e})") from e
     return qwen2_pipeline(model)
 
 
@@ -104,7 +97,7 @@ def _add_special(tok: Tokenizer, content: str, flags: dict | None = None, expect
         single_word=bool(flags.get("single_word", False)))])
     got = tok.token_to_id(content)
     if expect_id is not None and got != expect_id:
-        raise TokenizerError(source, f"special token {content!r} is declared with id {expect_id} but lands "
+        raise ModelDirError(source, f"special token {content!r} is declared with id {expect_id} but lands "
                                      f"at id {got} (vocab.json has {tok.get_vocab_size(False)} entries)")
 
 
@@ -112,7 +105,7 @@ def _add_special(tok: Tokenizer, content: str, flags: dict | None = None, expect
 def _load(dir_str: str) -> Tokenizer:
     d = Path(dir_str)
     if not d.is_dir():
-        raise TokenizerError(d.name, f"missing (expected the CosyVoice-BlankEN tokenizer directory at {d})")
+        raise ModelDirError(d.name, f"missing (expected the CosyVoice-BlankEN tokenizer directory at {d})")
     tok = _base_tokenizer(d)
     cfg = _read_json(d / "tokenizer_config.json", "the tokenizer config") \
         if (d / "tokenizer_config.json").is_file() else {}
@@ -120,10 +113,10 @@ def _load(dir_str: str) -> Tokenizer:
     try:
         entries = sorted((int(i), v) for i, v in declared.items())
     except (TypeError, ValueError) as e:
-        raise TokenizerError("tokenizer_config.json", f"bad added_tokens_decoder ({e})") from e
+        raise ModelDirError("tokenizer_config.json", f"bad added_tokens_decoder ({e})") from e
     for i, spec in entries:
         if not isinstance(spec, dict) or "content" not in spec:
-            raise TokenizerError("tokenizer_config.json", f"added_tokens_decoder[{i}] has no 'content'")
+            raise ModelDirError("tokenizer_config.json", f"added_tokens_decoder[{i}] has no 'content'")
         _add_special(tok, spec["content"], spec, expect_id=i, source="tokenizer_config.json")
     for content in (EOS_TOKEN, *COSYVOICE2_SPECIAL_TOKENS):
         _add_special(tok, content)

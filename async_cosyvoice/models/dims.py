@@ -1,7 +1,7 @@
 """Model dimensions: the hyperparameters every module is built from.
 
-model_dir.py fills these from an official `cosyvoice2.yaml` + `CosyVoice-BlankEN/config.json`;
-tools/make_random_model.py writes directories from them. Defaults are the official
+model_dir.py fills these from an official `cosyvoice2.yaml` + `CosyVoice-BlankEN/config.json` and
+random_model/ writes directories from them, both through the one table of dims_map.py. Defaults are the official
 CosyVoice2-0.5B values (facts sheet §1.2, §2.1).
 """
 from __future__ import annotations

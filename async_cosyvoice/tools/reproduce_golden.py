@@ -23,7 +23,7 @@ import torch
 from ..engine.base import length_limits
 from ..frontend import audio as A
 from ..frontend.model_input import build_model_input
-from ..frontend.prompt import PromptEncoder, PromptFeatures
+from ..frontend.prompt import PromptEncoder
 from ..frontend.spk2info import load_spk2info
 from ..frontend.text import write_text_golden
 from ..model_dir import ModelDir, Models, build_models, load_model_dir
@@ -31,7 +31,7 @@ from ..models.dims import EOS_TOKEN
 from ..models.hift import NSFNoise
 from ..sampling import nucleus, ras_sample
 from ..token2wav import ChunkRecord, ChunkSchedule, Token2WavRunner, Token2WavStream
-from ..tts import Mode
+from ..request import Mode, Voice
 
 PROMPT_WAVS = {"p24": "prompt_24k.wav", "p16": "prompt_16k.wav"}
 
@@ -102,15 +102,14 @@ def _parse_call(call: str) -> tuple[str, list]:
 def model_inputs(ctx: Context) -> dict[str, np.ndarray]:
     tok = ctx.model_dir.tokenizer()
     texts = ctx.inputs["texts"]
-    speakers = {e.speaker_id: e for e in load_spk2info(ctx.model_dir.spk2info_path)} \
-        if ctx.model_dir.spk2info_path else {}
+    speakers = load_spk2info(ctx.model_dir.spk2info_path, tok.encode) if ctx.model_dir.spk2info_path else {}
 
     def text(arg) -> str:
         return texts[arg[1]] if isinstance(arg, tuple) else arg
 
-    def voice(wav: str, spk_id: str) -> PromptFeatures:
+    def voice(wav: str, spk_id: str) -> Voice:
         if spk_id:
-            return speakers[spk_id].prompt
+            return speakers[spk_id]
         return ctx.encoder.encode(A.load_audio(ctx.model_dir.path / wav))
 
     out = {}
@@ -120,18 +119,19 @@ def model_inputs(ctx: Context) -> dict[str, np.ndarray]:
             tts, prompt, wav, _, spk = args
             mode = Mode.ZERO_SHOT_BY_SPK_ID if spk else Mode.ZERO_SHOT
             v = voice(wav, spk)
-            ptoks = speakers[spk].text_tokens(tok.encode) if spk else tok.encode(text(prompt))
-            mi = build_model_input(mode, v, text_tokens=tok.encode(text(tts)), prompt_text_tokens=ptoks)
+            if not spk:
+                v = v.with_transcript(text(prompt), tok.encode(text(prompt)))
+            mi = build_model_input(mode, v, text_tokens=tok.encode(text(tts)))
         elif fn == "frontend_cross_lingual":
             tts, wav, _, spk = args
             mi = build_model_input(Mode.CROSS_LINGUAL, voice(wav, spk), text_tokens=tok.encode(text(tts)))
         elif fn == "frontend_instruct2":
             tts, instruct, wav, _, spk = args
             mi = build_model_input(Mode.INSTRUCT2, voice(wav, spk), text_tokens=tok.encode(text(tts)),
-                                   prompt_text_tokens=tok.encode(text(instruct)))
+                                   instruction_tokens=tok.encode(text(instruct)))
         elif fn == "frontend_sft":
             tts, spk = args
-            mi = build_model_input(Mode.SFT, PromptFeatures.embedding_only(speakers[spk].embedding),
+            mi = build_model_input(Mode.SFT, Voice.embedding_only(speakers[spk].embedding),
                                    text_tokens=tok.encode(text(tts)))
         else:
             raise ValueError(f"unsupported frontend call {fn} in {call!r}")

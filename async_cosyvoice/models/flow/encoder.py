@@ -196,7 +196,7 @@ class UpsampleConformerEncoder(nn.Module):
         return x
 
     def forward_cached(self, xs: Tensor, g: Geometry, cursor: Cursor, context_lengths: Tensor | None = None) -> Tensor:
-        """A streaming call on new tokens only. xs (B, N + lookahead, input_size): the embeddings of
+        """A streaming call on new tokens only. xs (B, <= N + lookahead, input_size): the embeddings of
         item b's tokens [g.start[b], g.end[b] + context_lengths[b]), right-padded (context_lengths
         default: lookahead; 0 = a last call, zeros as right context); the keys and conv context of
         tokens before g.start[b] come from the cursor. Returns (B, stride·N, output_size), the
@@ -207,6 +207,7 @@ class UpsampleConformerEncoder(nn.Module):
             context_lengths = torch.full_like(g.new_lengths, dims.pre_lookahead_len)
         seen = torch.arange(xs.size(1), device=xs.device) < (g.new_lengths + context_lengths).unsqueeze(1)
         x = self.embed(xs) * seen.unsqueeze(-1).to(xs.dtype)
+        x = F.pad(x, (0, 0, 0, max(0, g.N + dims.pre_lookahead_len - x.size(1))))  # zeros: no look-ahead tokens
         x = self.pre_lookahead_layer(x[:, : g.N + dims.pre_lookahead_len], (cursor, g))
         x = self._cached_layers(self.encoders, x, g, cursor, dims.static_chunk_size)
         g2 = g.scaled(dims.upsample_stride)

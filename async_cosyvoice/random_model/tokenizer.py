@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from async_cosyvoice.dims_map import qwen_config
 from async_cosyvoice.frontend.tokenizer import COSYVOICE2_SPECIAL_TOKENS, EOS_TOKEN, qwen2_pipeline
 
 from .presets import Preset
@@ -109,25 +110,18 @@ def write_blank_en(out: Path, preset: Preset) -> None:
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
         "hidden_act": "silu",
-        "hidden_size": q.hidden_size,
         "initializer_range": STD,
-        "intermediate_size": q.intermediate_size,
-        "max_position_embeddings": q.max_position_embeddings,
         "max_window_layers": q.num_layers,
         "model_type": "qwen2",
-        "num_attention_heads": q.num_heads,
-        "num_hidden_layers": q.num_layers,
-        "num_key_value_heads": q.num_kv_heads,
-        "rms_norm_eps": q.rms_norm_eps,
-        "rope_theta": q.rope_theta,
         "sliding_window": q.max_position_embeddings,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
         "use_cache": True,
         "use_sliding_window": False,
-        "vocab_size": q.vocab_size,
+        **qwen_config(q),
     }
     generation_config = {"bos_token_id": eos_id, "do_sample": False, "eos_token_id": eos_id, "max_new_tokens": 2048}
     for name, obj in (("tokenizer_config.json", tokenizer_config), ("config.json", config),
                       ("generation_config.json", generation_config)):
-        (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n",
+                                encoding="utf-8")

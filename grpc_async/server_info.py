@@ -1,0 +1,41 @@
+"""The GetServerInfo answer: what this server offers, from its config and (once loaded) model."""
+from __future__ import annotations
+
+from importlib import metadata
+
+from async_cosyvoice.config import Config
+
+from ._stubs import load as _load_stubs
+from .encoding import DEFAULT_ENCODING, encoding_info
+
+pb2, _ = _load_stubs()
+
+NATIVE_SAMPLE_RATE = 24000
+DEFAULT_MODEL_NAME = "cosyvoice2"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("async_cosyvoice")
+    except metadata.PackageNotFoundError:   # run from a source tree without an install
+        return "0+source"
+
+
+def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
+    """`synth`: the Synthesizer, or None while the model loads."""
+    limits = config.limits
+    engine = getattr(synth, "engine", None)
+    return pb2.GetServerInfoResponse(
+        model=getattr(config.server, "served_model_name", None) or DEFAULT_MODEL_NAME,
+        modes=[f.name for f in pb2.SynthesizeRequest.DESCRIPTOR.oneofs_by_name["mode"].fields],
+        audio_encodings=encoding_info(),
+        native_sample_rate=getattr(synth, "sample_rate", None) or NATIVE_SAMPLE_RATE,
+        default_encoding=DEFAULT_ENCODING,
+        limits=pb2.ServerLimits(
+            max_concurrent_streams=limits.max_concurrent_streams, max_text_chars=limits.max_text_chars,
+            max_prompt_seconds=limits.max_prompt_seconds, max_source_seconds=limits.max_source_seconds,
+            max_forced_tokens=limits.max_forced_tokens, max_message_bytes=limits.max_message_bytes),
+        engine=config.engine.kind,
+        bistream=bool(getattr(engine, "supports_bistream", False)),
+        ready=synth is not None and bool(getattr(synth, "ready", True)),
+        version=_version())
