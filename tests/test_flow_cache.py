@@ -203,3 +203,28 @@ def test_chunked_final_is_the_chunked_recompute(flow, hift, prompts):
             assert stream.flow_state is None
         advance(stream, job, mel)
     assert job is None and stream.finished
+
+
+class CountingEstimator:
+    """An estimator backend (the flow's own module) that counts its calls."""
+    name = "counting"
+    supports_streaming = True
+
+    def __init__(self, module):
+        self.module, self.calls = module, 0
+
+    def __call__(self, x, mask, mu, t, spks, cond, streaming=False):
+        self.calls += 1
+        return self.module(x, mask, mu, t, spks, cond, streaming)
+
+
+def test_backend_runs_the_final_and_cached_chunks_run_the_module(flow, hift, prompts):
+    """With an estimator backend, cached streaming chunks run the flow's PyTorch module and the
+    final call runs on the backend; with flow_cache=False every call does (the recompute)."""
+    backend = CountingEstimator(flow.decoder.estimator)
+    cached = Token2WavRunner(flow, hift, estimator=backend)
+    recompute = Token2WavRunner(flow, hift, estimator=CountingEstimator(flow.decoder.estimator), flow_cache=False)
+    n = drive(cached, recompute, [new_stream(prompts, "p24", 25)], [target_tokens(40, 10)])
+    steps = flow.dims.cfm.n_timesteps
+    assert n == 2 and backend.calls == steps  # only the final call: one estimator call per CFM step
+    assert recompute.estimator.calls == n * steps
