@@ -49,6 +49,11 @@ class Token2WavBatcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
+    @property
+    def pending(self) -> int:
+        """Jobs waiting for the device (cancelled ones are not counted)."""
+        return sum(not p.future.done() for p in self._heap)
+
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor:
         """Run `job` (applying it to its stream) and return its samples (1-D float32, CPU).
         Cancelling the caller drops a job that has not started yet."""

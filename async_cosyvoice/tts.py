@@ -179,23 +179,24 @@ class Synthesizer:
     async def synthesize(self, request: SynthesisRequest, voice: Voice | None = None) -> AsyncIterator[AudioChunk]:
         """Chunks of every text segment in order; the last one has is_final set."""
         request = self.rules.check(request)
-        voice = voice or await self.prepare_voice(request)
-        spec = MODE_SPECS[request.mode]
-        if spec.runs_lm:
-            segments = await self._in_cpu(self._text_segments, request.text, request.options.text_frontend)
-            if not segments:
-                raise InvalidRequest("text has nothing to speak after normalization (only punctuation?)")
-            instruction = await self._in_cpu(self._instruction_tokens, request)
-            inputs = [build_model_input(request.mode, voice, text_tokens=t, instruction_tokens=instruction)
-                      for t in segments]
-        else:
-            source = await self._in_cpu(self.prompt_encoder.source_tokens, request.source_audio)
-            inputs = [build_model_input(request.mode, voice, source_speech_tokens=source)]
+        inputs = await self.model_inputs(request, voice or await self.prepare_voice(request))
         playback = Playback(time.monotonic(), self.sample_rate)
         for i, model_input in enumerate(inputs):
             utterance = self._utterance(request, model_input, i, playback, last=i == len(inputs) - 1)
             async for chunk in utterance.run(self.batcher):
                 yield chunk
+
+    async def model_inputs(self, request: SynthesisRequest, voice: Voice) -> list[ModelInput]:
+        """What the LM and the flow receive for each text segment of a checked request."""
+        if not MODE_SPECS[request.mode].runs_lm:
+            source = await self._in_cpu(self.prompt_encoder.source_tokens, request.source_audio)
+            return [build_model_input(request.mode, voice, source_speech_tokens=source)]
+        segments = await self._in_cpu(self._text_segments, request.text, request.options.text_frontend)
+        if not segments:
+            raise InvalidRequest("text has nothing to speak after normalization (only punctuation?)")
+        instruction = await self._in_cpu(self._instruction_tokens, request)
+        return [build_model_input(request.mode, voice, text_tokens=t, instruction_tokens=instruction)
+                for t in segments]
 
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
                                 text_mode: TextMode | None = None) -> AsyncIterator[AudioChunk]:
@@ -344,6 +345,10 @@ class SyncSynthesizer:
     def synthesize(self, request: SynthesisRequest) -> Iterator[AudioChunk]:
         """Chunks as they are produced; leaving the loop early cancels the request."""
         return self._loop.iterate(self.synth.synthesize(request))
+
+    def call(self, coro):
+        """Run a coroutine (of the synthesizer's methods) on its loop and return the result."""
+        return self._loop.call(coro)
 
     def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio, overwrite: bool = False):
         return self._loop.call(self.synth.register_speaker(speaker_id, prompt_text, audio, overwrite))

@@ -70,3 +70,17 @@ def test_bad_input_is_an_error_not_a_traceback(common, tiny_dir, tmp_path, capsy
                  "--text", "Hi.", "--out", str(tmp_path / "o.wav")]) == 2
     assert "cosyvoice2.yaml" in capsys.readouterr().err
     assert not (tmp_path / "o.wav").exists()
+
+
+@pytest.mark.slow
+def test_config_first_hop_is_honoured(common, tiny_dir, tmp_path, capsys):
+    """The configured token2wav.first_hop sets the first streamed chunk (15 + 3 lookahead tokens by
+    default): 20 tokens -> 20 x 960 samples, minus the 3840 HiFT keeps for the cross-fade."""
+    config = tmp_path / "c.yaml"
+    config.write_text("token2wav:\n  first_hop: 20\n  adaptive: false\n")
+    prompt = str(tiny_dir / "golden" / "prompt_24k.wav")
+    assert main(["synthesize", "--prompt-wav", prompt, "--text", "Hello there.", "--stream", "--max-tokens", "40",
+                 "--config", str(config), "--out", str(tmp_path / "o.wav"), *common]) == 0
+    progress = capsys.readouterr().err
+    first = progress.split("\r")[1]  # "chunk   0  segment 1  audio   0.64 s  elapsed ..."
+    assert first.split()[:2] == ["chunk", "0"] and f"audio {(20 * 960 - 3840) / 24000:6.2f} s" in first

@@ -296,6 +296,7 @@ def server(tiny_dir, tmp_path_factory):
         "speakers": {"dir": str(spk_dir)},
         "server": {"port": 0, "metrics_port": 0, "grace_seconds": 5},
         "limits": {"max_concurrent_streams": 20, "max_text_chars": 400, "max_prompt_seconds": 5.0},
+        "token2wav": {"first_hop": 20},  # not the default: tests/test_service.py checks it is honoured
     })
     st = ServerThread(cfg, ready_timeout=None)
     health = []
@@ -442,7 +443,7 @@ def test_compressed_encodings_decode_back(server, encoding, rate, stream):
     assert all(c.encoding == pb2.AudioEncoding.Value(f"AUDIO_ENCODING_{encoding.upper()}".replace("WEBM", "WEBM_OPUS"))
                and c.sample_rate == rate for c in chunks)
     if stream:
-        assert len(chunks) > 2 and chunks[0].audio  # audio came before the end
+        assert len(chunks) >= 2 and chunks[0].audio  # audio came before the end
     seconds = len(result.audio) / result.sample_rate
     assert abs(seconds - expected / rate) < 0.6, seconds      # within one chunk
     assert np.sqrt(np.mean(result.audio ** 2)) > 1e-3         # not silence
@@ -707,6 +708,35 @@ def test_stream_synthesize_speaks_before_text_is_complete(server):
     wait_idle(server)
 
 
+def test_config_first_hop_over_grpc(server):
+    """The server's token2wav.first_hop (20 here) sets the first streamed chunk: 20 x 960 samples
+    minus the 3840 that HiFT keeps for the next cross-fade."""
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            async for chunk in c.synthesize("Hello there.", speaker_id="tiny_zs_spk", stream=True, seed=3,
+                                            max_tokens=40):
+                return chunk
+    assert run(body()).num_samples == 20 * 960 - 3840
+    wait_idle(server)
+
+
+def test_stream_synthesize_encodes_the_voice_once(server, fixture_audio):
+    encoder = server.server.servicer.synth.prompt_encoder
+
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            pieces = ["One sentence. Another", " sentence here. And a", " third one."]
+            return [ch async for ch in c.stream_synthesize(pieces, prompt_audio=fixture_audio["p24"],
+                                                           prompt_text=PROMPT_TEXT, stream=True, seed=4,
+                                                           max_tokens=20)]
+
+    before = encoder.prompts_encoded
+    chunks = run(body())
+    assert encoder.prompts_encoded - before == 1
+    assert chunks[-1].is_final and chunks[-1].summary.speech_tokens == 3 * 20
+    wait_idle(server)
+
+
 def test_stream_synthesize_protocol_errors(server):
     async def body():
         async with grpc.aio.insecure_channel(server.target) as ch:
@@ -720,6 +750,9 @@ def test_stream_synthesize_protocol_errors(server):
                  grpc.StatusCode.INVALID_ARGUMENT, "no text"),
                 ([pb2.StreamSynthesizeRequest(config=pb2.StreamConfig(sft=pb2.Sft(speaker_id="ghost")))],
                  grpc.StatusCode.NOT_FOUND, "ghost"),
+                ([pb2.StreamSynthesizeRequest(config=config), pb2.StreamSynthesizeRequest(text="Hi there."),
+                  pb2.StreamSynthesizeRequest(end=pb2.StreamEnd()), pb2.StreamSynthesizeRequest(text="More.")],
+                 grpc.StatusCode.INVALID_ARGUMENT, "after `end`"),
             ]
             for messages, code, text in cases:
                 with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -3,6 +3,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import InvalidRequest, SpeakerNotFound, Unsupported
@@ -172,3 +173,150 @@ def test_full_size_random_model_synthesizes_on_cpu(tmp_path, prompt):
         assert np.abs(audio).max() > 0
     finally:
         shutil.rmtree(tmp_path / "full", ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# What each mode feeds the models, the config's defaults, text streams, cancellation
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=[m.value for m in Mode])
+def test_each_mode_conditions_the_models_as_specified(synth, prompt, mode):
+    s = synth.synth
+    request = s.rules.check(_request(mode, prompt, False))
+    voice = synth.call(s.prepare_voice(request))
+    inputs = synth.call(s.model_inputs(request, voice))
+    mi = inputs[0]
+    tok = s.tokenizer.encode
+    stored = s.speakers.get(request.speaker_id).voice if request.speaker_id else None
+    instruction = tok("Speak slowly.<|endofprompt|>")
+    transcript = tok(s.text_frontend.normalize("The morning train was late again.", split=False))
+    expected_prompt_text = {
+        Mode.ZERO_SHOT: transcript, Mode.CROSS_LINGUAL: [], Mode.INSTRUCT2: instruction, Mode.SFT: [],
+        Mode.ZERO_SHOT_BY_SPK_ID: transcript,  # "reg" was registered with that transcript
+        Mode.INSTRUCT2_BY_SPK_ID: instruction, Mode.VC: [],
+    }[mode]
+    assert mi.prompt_text.tolist() == expected_prompt_text
+    if mode == Mode.INSTRUCT2_BY_SPK_ID:  # the stored transcript must not reach the LM
+        assert stored.prompt_text_tokens.size and mi.prompt_text.tolist() != stored.prompt_text_tokens.tolist()
+    lm_speech = mode in (Mode.ZERO_SHOT, Mode.ZERO_SHOT_BY_SPK_ID)
+    assert (mi.llm_prompt_speech_token.size > 0) == lm_speech
+    if lm_speech:
+        assert np.array_equal(mi.llm_prompt_speech_token, mi.flow_prompt_speech_token)
+    assert (mi.flow_prompt_speech_token.size > 0) == (mode != Mode.SFT)
+    assert mi.prompt_speech_feat.shape[0] == 2 * mi.flow_prompt_speech_token.size or mode == Mode.VC
+    if stored is not None:
+        assert np.array_equal(mi.flow_embedding, stored.embedding)
+        if mode != Mode.SFT:
+            assert np.array_equal(mi.flow_prompt_speech_token, stored.speech_tokens)
+    if mode == Mode.VC:
+        assert mi.source_speech_token.tolist() == s.prompt_encoder.source_tokens(prompt).tolist()
+    else:
+        assert mi.text.size > 0 and mi.source_speech_token.size == 0
+
+
+def test_first_hop_comes_from_the_request_else_the_config(synth, prompt):
+    """15 (+3 lookahead) tokens by default; a request's own first_hop wins. A first chunk emits
+    its hop x 960 samples minus the 3840 HiFT keeps for the cross-fade (prompt_align=1: no pad)."""
+    def first_chunk(**opts):
+        gen = synth.synthesize(_request(Mode.CROSS_LINGUAL, prompt, True, options={"max_tokens": 60, **opts}))
+        chunk = next(gen)
+        gen.close()
+        return len(chunk.samples)
+    assert synth.synth.config.token2wav.first_hop == 15
+    assert first_chunk() == 15 * 960 - 3840
+    assert first_chunk(first_hop=25) == 25 * 960 - 3840
+
+
+@pytest.mark.slow
+def test_config_first_hop_reaches_the_library(tiny_dir, tmp_path, prompt):
+    config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path)},
+                                    "token2wav": {"first_hop": 20}})
+    with SyncSynthesizer(config) as s:
+        gen = s.synthesize(_request(Mode.CROSS_LINGUAL, prompt, True, options={"max_tokens": 40}))
+        assert len(next(gen).samples) == 20 * 960 - 3840
+        gen.close()
+
+
+def test_cancel_drops_the_pending_token2wav_job(synth, prompt):
+    """A job queued behind a running batch is dropped when its request goes away: the batcher never
+    runs it and its stream never advances."""
+    import asyncio
+
+    from async_cosyvoice.token2wav import ChunkSchedule, Token2WavStream
+    from async_cosyvoice.token2wav_batcher import Token2WavBatcher
+
+    s = synth.synth
+    voice = s.speakers.get("reg").voice
+
+    def stream():
+        t = Token2WavStream(torch.tensor(voice.speech_tokens)[None], torch.tensor(voice.speech_feat)[None],
+                            torch.tensor(voice.embedding)[None], schedule=ChunkSchedule(first_hop=15, prompt_align=1))
+        t.append(list(range(40)))
+        return t
+
+    async def body():
+        batcher = Token2WavBatcher(s.batcher.runner, max_batch=1)  # one job per batch: b waits behind a
+        a, b = stream(), stream()
+        job_a, job_b = a.next_job(False), b.next_job(False)
+        run_a = asyncio.ensure_future(batcher.submit(job_a, 0.0))
+        run_b = asyncio.ensure_future(batcher.submit(job_b, 1.0))
+        await asyncio.sleep(0)  # both submitted (and the batcher task created)
+        await asyncio.sleep(0)  # the batcher took a (most urgent) and runs it; b waits
+        assert job_a.timing.started > 0 and not job_b.timing.started and batcher.pending == 1
+        run_b.cancel()
+        await run_a
+        await asyncio.sleep(0)
+        stats = batcher.stats.jobs, batcher.pending, a.chunks_done, b.chunks_done
+        await batcher.close()
+        return stats
+
+    assert synth.call(body()) == (1, 0, 1, 0)
+
+
+def test_synthesize_stream_prepares_the_voice_once(synth, prompt):
+    from async_cosyvoice.request import FLUSH
+
+    s = synth.synth
+
+    async def pieces():
+        for piece in ["First sentence here. Second", " one comes", " now. And a third without end", FLUSH,
+                      " plus a tail."]:
+            yield piece
+
+    async def body():
+        request = _request(Mode.ZERO_SHOT, prompt, True, text="", options={"max_tokens": 20})
+        return [c async for c in s.synthesize_stream(pieces(), request)]
+
+    before = s.prompt_encoder.prompts_encoded
+    chunks = synth.call(body())
+    assert s.prompt_encoder.prompts_encoded - before == 1
+    assert max(c.segment_index for c in chunks) >= 3  # four sentences, one voice
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert chunks[-1].is_final and not any(c.is_final for c in chunks[:-1])
+    offsets = np.cumsum([0] + [len(c.samples) for c in chunks[:-1]])
+    assert [c.sample_offset for c in chunks] == offsets.tolist()
+    assert chunks[-1].n_tokens == 20 * (max(c.segment_index for c in chunks) + 1)
+
+
+def test_synthesize_stream_times_out_on_silence(synth, prompt):
+    import asyncio
+
+    from async_cosyvoice.errors import TextTimeout
+
+    s = synth.synth
+    s.config.limits.text_idle_seconds, idle = 0.5, s.config.limits.text_idle_seconds
+
+    async def stalled():
+        yield "Hello there."
+        await asyncio.sleep(30)
+
+    async def body():
+        request = _request(Mode.CROSS_LINGUAL, prompt, True, text="", options={"max_tokens": 20})
+        return [c async for c in s.synthesize_stream(stalled(), request)]
+
+    try:
+        with pytest.raises(TextTimeout, match="no text arrived for 0.5 s"):
+            synth.call(body())
+    finally:
+        s.config.limits.text_idle_seconds = idle
+    assert s.engine_stats().running == 0 and s.batcher.pending == 0

@@ -13,6 +13,7 @@ so one encoder can serve many executor threads.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,8 @@ class PromptEncoder:
                  max_token_seconds: float = SPEECH_TOKENIZER_MAX_SECONDS):
         self.mel = mel
         self.max_token_seconds = max_token_seconds
+        self.prompts_encoded = 0  # whole prompts encoded (tokenizer + CAM++ + mel): what caching saves
+        self._count_lock = threading.Lock()
         self._tokenizer = _session(speech_tokenizer_onnx)
         self._campplus = _session(campplus_onnx)
         self._tokenizer_inputs = [i.name for i in self._tokenizer.get_inputs()]
@@ -110,6 +113,8 @@ class PromptEncoder:
         """Prompt features without alignment (the VC prompt, like upstream `frontend_vc`)."""
         x16k = A.audio_at_rate(audio, TOKENIZER_SAMPLE_RATE)
         x24k = A.audio_at_rate(audio, self.mel.sampling_rate)
+        with self._count_lock:
+            self.prompts_encoded += 1
         tokens, feat = self.speech_tokens(x16k), self.speech_feat(x24k)
         if tokens.size == 0 or feat.shape[0] < 2:
             raise A.AudioError(f"prompt audio is too short ({audio.seconds:.3f} s) to yield speech tokens")
