@@ -60,6 +60,13 @@ class Token2WavConfig(_Section):
     estimator_max_frames: int = Field(3000, ge=4)  # TensorRT profile max (prompt + target mel frames)
     estimator_opt_frames: int = Field(500, ge=4)
     estimator_chunked_graph: bool = True  # onnxruntime / tensorrt: a chunked-attention graph for streaming chunks
+    # the exact flow state cache (flow_cache.py): streaming chunks compute only the frames after the
+    # stream's cached prefix (or its registered speaker's prompt prefix), on the flow's PyTorch module
+    flow_cache: bool = True
+    flow_cache_speaker_bytes: int = Field(2 << 30, ge=0)  # device memory for speakers' prompt prefixes (LRU)
+    flow_cache_max_tokens: int | None = Field(None, ge=0)  # per stream: no state cached past this many tokens
+    # the final chunk also from the cache, with chunked attention: NOT exact (upstream's final uses full attention)
+    flow_cache_chunked_final: bool = False
 
 
 class SpeakerConfig(_Section):

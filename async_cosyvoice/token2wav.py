@@ -30,6 +30,7 @@ state belongs to one request (upstream mutates a hop shared by all requests):
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
@@ -39,8 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .flow_cache import SpeakerPrefixCache, chunk_floor, speaker_prefix_tokens
+from .models.flow.prefix import FlowState, Geometry
 from .models.hift import HiFT, NSFNoise
 from .request import ChunkTiming
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkSchedule", "Token2WavJob", "Token2WavStream", "Token2WavRunner", "ChunkRecord",
@@ -172,6 +177,7 @@ class Token2WavStream:
         self._tokens = torch.empty(64, dtype=torch.int32)  # CPU; grows by doubling, never re-packed
         self._n = 0
         self._cache: _HiFTCache | None = None
+        self.flow_state: FlowState | None = None  # the runner's: the exact flow state cache (flow_cache.py)
 
     # -- the tokens
 
@@ -328,6 +334,7 @@ class RunnerStats:
     flow_items: int = 0
     flow_frames: int = 0         # mel frames computed (prompt + target, every item)
     flow_padded_frames: int = 0  # mel frames of the padded batches (>= flow_frames)
+    flow_cached_frames: int = 0  # mel frames a cached call read from the stream's or speaker's cache
     hift_calls: int = 0
     hift_items: int = 0
 
@@ -337,14 +344,24 @@ class Token2WavRunner:
     step one estimator call for all of its streams, conditional and unconditional halves), and
     one HiFT call per group of equal mel length.
 
-    Flow batching rule: the jobs' flow lengths (prompt + target tokens) are grouped by
-    `length_groups(…, length_bucket_ratio, max_flow_batch)`: sorted longest first, a job joins the
-    current group while its length is >= the group's longest / ratio, so padding is < 1 − 1/ratio
-    of each item's frames (default ratio 1.5: < 33 %). Items are right-padded; `Flow.forward`
-    masks padding (causal convolutions, masked attention, per-item look-ahead and chunk flags),
-    so each item equals its own call up to float summation order: flow mel within 1e-5 (measured
-    1.2e-6), audio within 2e-5 (measured 1.1e-5; HiFT's NSF phase amplifies mel differences about
-    10x), tests/test_batcher.py.
+    Streaming chunks (the exact flow state cache, flow_cache.py; `flow_cache=True`): each job
+    computes only the tokens after its stream's cached prefix (`stream.flow_state`, or its
+    registered speaker's prompt prefix, `stream.prompt_key`) and keeps the state of its complete
+    chunks for the next one. Jobs are grouped by the number of new tokens; in one call the items
+    have different cached prefix lengths (prefix.Geometry). Cached calls run the flow's own
+    PyTorch estimator; the `estimator` backend runs the final and non-streaming calls (full
+    attention, no cache), and with `flow_cache=False` every call, each recomputing the whole
+    prefix as upstream does. Every cached chunk equals the recompute within float summation order
+    (tests/test_flow_cache.py: 1e-5 in fp32).
+
+    Flow batching rule: the jobs' lengths (cached: new tokens; otherwise prompt + target tokens)
+    are grouped by `length_groups(…, length_bucket_ratio, max_flow_batch)`: sorted longest first,
+    a job joins the current group while its length is >= the group's longest / ratio, so padding
+    is < 1 − 1/ratio of each item's frames (default ratio 1.5: < 33 %). Items are right-padded;
+    `Flow.forward` masks padding (causal convolutions, masked attention, per-item look-ahead and
+    chunk flags), so each item equals its own call up to float summation order: flow mel within
+    1e-5 (measured 1.2e-6), audio within 2e-5 (measured 1.1e-5; HiFT's NSF phase amplifies mel
+    differences about 10x), tests/test_batcher.py.
 
     HiFT is batched only over equal mel lengths, which is exact. Padding is not: HiFT's F0
     convolutions, resblocks, source interpolation and the STFT's reflection at the right edge see
@@ -354,17 +371,27 @@ class Token2WavRunner:
     source by 0.15). In steady streaming every chunk has 2·max_hop + 8 frames, so equal-length
     groups are the common case.
 
-    `flow` may be any FlowLike (tests use stand-ins); only a real `Flow` is batched, others run
-    one job at a time through `flow.inference`. `estimator` (see async_cosyvoice.estimator)
-    replaces the flow's own estimator module in `Flow.forward`.
+    `flow` may be any FlowLike (tests use stand-ins); only a real `Flow` is batched and cached,
+    others run one job at a time through `flow.inference`. `estimator` (see
+    async_cosyvoice.estimator) replaces the flow's own estimator module in `Flow.forward`.
+    speaker_cache_bytes: device memory for registered speakers' prompt prefixes (LRU).
+    max_cached_tokens: a stream caches no state past this many prompt + target tokens (later
+    chunks recompute the frames after it); None: no cap.
+    chunked_final: a streaming stream's final call also computes only its new frames against the
+    cache, with chunked attention and zero look-ahead. Not exact: upstream's final call uses full
+    attention (every earlier frame sees the last tokens), so the final chunk's audio differs
+    (measured on the tiny fixture: NOTES-flowcache.md). Off by default.
     """
 
     def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
                  estimator: Callable[..., Tensor] | None = None, length_bucket_ratio: float = 1.5,
-                 max_flow_batch: int | None = None):
+                 max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 2 << 30,
+                 max_cached_tokens: int | None = None, chunked_final: bool = False):
         from .models.flow.flow import Flow
         if length_bucket_ratio < 1:
             raise ValueError(f"length_bucket_ratio must be >= 1, got {length_bucket_ratio}")
+        if max_cached_tokens is not None and max_cached_tokens < 0:
+            raise ValueError(f"max_cached_tokens must be >= 0 or None, got {max_cached_tokens}")
         self.flow = flow
         self.hift = hift
         self.recorder = recorder
@@ -374,6 +401,14 @@ class Token2WavRunner:
         self.stats = RunnerStats()
         self._cuda_stream: torch.cuda.Stream | None = None  # CUDA: created on first use, in the device thread
         self._batched_flow = isinstance(flow, Flow)
+        self.flow_cache = flow_cache and self._batched_flow
+        self.speaker_prefixes = SpeakerPrefixCache(speaker_cache_bytes)
+        self.max_cached_tokens = max_cached_tokens
+        self.chunked_final = chunked_final
+        if self.flow_cache and estimator is not None and getattr(estimator, "name", "torch") != "torch":
+            log.info("flow state cache on: streaming chunks run the flow's PyTorch estimator against their cached "
+                     "prefix; the %s estimator runs final and non-streaming calls (token2wav.flow_cache: false "
+                     "runs every call on it, recomputing the prefix)", estimator.name)
 
     @property
     def device(self) -> torch.device:
@@ -388,50 +423,148 @@ class Token2WavRunner:
     def flow_mels(self, jobs: Sequence[Token2WavJob]) -> list[Tensor]:
         """The flow mels of jobs of distinct streams, batched by length group."""
         out: list[Tensor | None] = [None] * len(jobs)
-        todo = []
+        full, cached = [], []
         for i, job in enumerate(jobs):
             s = job.stream
             if job.finalize and job.hop == 0:  # nothing new: the mel after 2*offset would be empty
                 out[i] = s.prompt_feat.new_zeros(1, s.prompt_feat.shape[2], 0).to(self.device)
-            elif self._batched_flow:
-                todo.append(i)
-            else:
+            elif not self._batched_flow:
                 dev = self.device
                 out[i] = self.flow.inference(job.tokens.to(dev), s.prompt_token.to(dev), s.prompt_feat.to(dev),
                                              s.embedding.to(dev), streaming=job.streaming, finalize=job.finalize)
-        lengths = [jobs[i].stream.prompt_token.shape[1] + jobs[i].n_tokens for i in todo]
-        for group in length_groups(lengths, self.length_bucket_ratio, self.max_flow_batch):
-            idx = [todo[g] for g in group]
-            for i, mel in zip(idx, self._flow_batch([jobs[i] for i in idx])):
-                out[i] = mel
+            elif self.flow_cache and (job.streaming or (self.chunked_final and job.finalize and s.stream)):
+                cached.append(i)
+            else:
+                full.append(i)
+            if job.finalize and i not in cached:
+                s.flow_state = None  # full attention from here on: the cache is of no further use
+        plans = {i: self._cached_plan(jobs[i]) for i in cached}
+        for todo, lengths, run in (
+                (full, [jobs[i].stream.prompt_token.shape[1] + jobs[i].n_tokens for i in full],
+                 lambda idx: self._flow_batch([jobs[i] for i in idx])),
+                (cached, [plans[i][1] for i in cached],
+                 lambda idx: self._flow_cached([jobs[i] for i in idx], [plans[i] for i in idx]))):
+            for group in length_groups(lengths, self.length_bucket_ratio, self.max_flow_batch):
+                idx = [todo[g] for g in group]
+                for i, mel in zip(idx, run(idx)):
+                    out[i] = mel
         return out
 
     def _flow_batch(self, jobs: Sequence[Token2WavJob]) -> list[Tensor]:
         """One padded Flow.forward over jobs -> each job's (1, 80, T_b) target mel (views into the batch)."""
         flow = self.flow
         n_context = flow.dims.pre_lookahead_len
-        seqs = [torch.cat([j.stream.prompt_token.reshape(-1).cpu(), j.tokens.reshape(-1).cpu()]) for j in jobs]
-        feats = [j.stream.prompt_feat[0] for j in jobs]
-        B, S, Fmax = len(jobs), max(len(q) for q in seqs), max(f.shape[0] for f in feats)
-        tokens = torch.zeros(B, S, dtype=torch.int32)
-        prompt_feat = torch.zeros(B, Fmax, feats[0].shape[1], dtype=feats[0].dtype)
-        for b, (q, f) in enumerate(zip(seqs, feats)):
-            tokens[b, :len(q)] = q
-            prompt_feat[b, :f.shape[0]] = f.cpu()
+        lengths = [j.stream.prompt_token.shape[1] + j.n_tokens for j in jobs]
+        tokens, prompt_feat, feat_lens, embedding = self._batch_inputs(jobs, [(0, n) for n in lengths])
         contexts = [0 if j.finalize else n_context for j in jobs]
-        token_lens = torch.tensor([len(q) - c for q, c in zip(seqs, contexts)])
+        token_lens = torch.tensor([n - c for n, c in zip(lengths, contexts)])
         flags = [j.streaming for j in jobs]
         streaming = flags[0] if len(set(flags)) == 1 else torch.tensor(flags)
-        embedding = torch.cat([j.stream.embedding.reshape(1, -1).cpu() for j in jobs])
-        mel, mel_lens = flow(tokens, token_lens, torch.tensor(contexts), prompt_feat,
-                             torch.tensor([f.shape[0] for f in feats]), embedding, streaming, estimator=self.estimator)
+        mel, mel_lens = flow(tokens, token_lens, torch.tensor(contexts), prompt_feat, feat_lens, embedding, streaming,
+                             estimator=self.estimator)
         mel_lens = mel_lens.tolist()
+        B = len(jobs)
         st = self.stats
         st.flow_calls += 1
         st.flow_items += B
         st.flow_frames += sum(mel_lens)
         st.flow_padded_frames += B * mel.shape[2]
-        return [mel[b:b + 1, :, f.shape[0]:mel_lens[b]] for b, f in enumerate(feats)]
+        return [mel[b:b + 1, :, j.stream.prompt_feat.shape[1]:mel_lens[b]] for b, j in enumerate(jobs)]
+
+    def _batch_inputs(self, jobs: Sequence[Token2WavJob], windows: Sequence[tuple[int, int]]
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Padded flow inputs on the device: tokens (B, S) int32 holding tokens [lo, hi) of each job's
+        prompt + target sequence, prompt_feat (B, F, 80), prompt_feat lengths (B,), embedding (B, 192).
+        The prompts stay on the device (copied there once per stream); the target tokens come from
+        the host."""
+        dev = self.device
+        B = len(jobs)
+        tokens = torch.zeros(B, max(hi - lo for lo, hi in windows), dtype=torch.int32, device=dev)
+        for b, (j, (lo, hi)) in enumerate(zip(jobs, windows)):
+            prompt = j.stream.prompt_token.reshape(-1)
+            P = prompt.numel()
+            if lo < P:
+                tokens[b, :min(hi, P) - lo] = prompt[lo:min(hi, P)]
+            if hi > P:
+                first = max(lo, P)
+                tokens[b, first - lo:hi - lo] = j.tokens.reshape(-1)[first - P:hi - P].to(dev, non_blocking=True)
+        feats = [j.stream.prompt_feat[0] for j in jobs]
+        prompt_feat = torch.zeros(B, max(f.shape[0] for f in feats), feats[0].shape[1], dtype=feats[0].dtype, device=dev)
+        for b, f in enumerate(feats):
+            prompt_feat[b, :f.shape[0]] = f
+        feat_lens = torch.tensor([f.shape[0] for f in feats], device=dev)
+        embedding = torch.cat([j.stream.embedding.reshape(1, -1).to(dev) for j in jobs])
+        return tokens, prompt_feat, feat_lens, embedding
+
+    # -- the exact flow state cache (flow_cache.py)
+
+    def _cached_plan(self, job: Token2WavJob) -> tuple[FlowState | None, int, int]:
+        """(state to start from, new tokens to compute, tokens to keep) for a streaming job."""
+        s = job.stream
+        P = s.prompt_token.shape[1]
+        end = P + job.n_tokens - (0 if job.finalize else self.flow.dims.pre_lookahead_len)
+        state = s.flow_state
+        if state is None or state.tokens > P + job.token_offset:  # none yet, or a job re-run: restart
+            state = self._speaker_prefix(s)
+        start = 0 if state is None else state.tokens
+        keep = chunk_floor(end, self.flow.dims.encoder.static_chunk_size) if not job.finalize else 0
+        if self.max_cached_tokens is not None:
+            keep = min(keep, chunk_floor(self.max_cached_tokens, self.flow.dims.encoder.static_chunk_size))
+        return state, end - start, max(start, keep)
+
+    def _speaker_prefix(self, s: "Token2WavStream") -> FlowState | None:
+        """The stream's speaker prompt prefix (computed on a miss), or None (ad-hoc prompt, or too short)."""
+        key = s.prompt_key
+        dims = self.flow.dims
+        n = speaker_prefix_tokens(s.prompt_token.shape[1], dims.encoder.static_chunk_size, dims.pre_lookahead_len)
+        if key is None or n == 0 or self.speaker_prefixes.budget_bytes == 0:
+            return None
+        tokens = s.prompt_token.reshape(-1)[:n + dims.pre_lookahead_len].cpu()
+        state = self.speaker_prefixes.get(key, tokens)
+        if state is None:
+            dev = self.device
+            _, (state,) = self.flow.forward_cached(tokens[None].to(dev), Geometry([0], [n], [n], dev),
+                                                   s.prompt_feat.to(dev),
+                                                   torch.tensor([s.prompt_feat.shape[1]], device=dev),
+                                                   s.embedding.reshape(1, -1).to(dev), [None])
+            self.stats.flow_calls += 1
+            self.stats.flow_items += 1
+            self.stats.flow_frames += dims.token_mel_ratio * n
+            self.stats.flow_padded_frames += dims.token_mel_ratio * n
+            self.speaker_prefixes.put(key, state, tokens)
+        return state
+
+    def _flow_cached(self, jobs: Sequence[Token2WavJob], plans: Sequence[tuple[FlowState | None, int, int]]
+                     ) -> list[Tensor]:
+        """One cached Flow call over streaming jobs (with their `_cached_plan`s): each computes the
+        tokens after its cached prefix. Updates each stream's flow_state; returns each job's
+        (1, 80, T_b) target mel."""
+        flow, dev = self.flow, self.device
+        n_context, ratio = flow.dims.pre_lookahead_len, flow.dims.token_mel_ratio
+        starts = [0 if state is None else state.tokens for state, _, _ in plans]
+        ends = [start + n for start, (_, n, _) in zip(starts, plans)]
+        g = Geometry(starts, ends, [keep for _, _, keep in plans], dev)
+        B = len(jobs)
+        contexts = [0 if j.finalize else n_context for j in jobs]
+        tokens, prompt_feat, feat_lens, embedding = self._batch_inputs(
+            jobs, [(s, e + c) for s, e, c in zip(starts, ends, contexts)])
+        mel, states = flow.forward_cached(tokens, g, prompt_feat, feat_lens, embedding,
+                                          [state for state, _, _ in plans], contexts)
+        st = self.stats
+        st.flow_calls += 1
+        st.flow_items += B
+        st.flow_frames += ratio * sum(g.new)
+        st.flow_padded_frames += B * mel.shape[2]
+        st.flow_cached_frames += ratio * sum(starts)
+        out = []
+        for b, (j, (old, _, _), state) in enumerate(zip(jobs, plans, states)):
+            j.stream.flow_state = None if j.finalize else state
+            # the target mel from frame 0: the cached frames' mel is what they had when they were new
+            # (a complete chunk's frames are the same on every later call), then this call's frames
+            new = mel[b:b + 1, :, :ratio * g.new[b]]
+            mel_b = torch.cat([*old.mel, new], dim=2) if old is not None else new
+            out.append(mel_b[:, :, ratio * j.stream.prompt_token.shape[1]:])
+        return out
 
     def run(self, job: Token2WavJob) -> Tensor:
         """Compute one job and apply it to its stream; returns the emitted samples (1-D float32, CPU)."""

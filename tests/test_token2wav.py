@@ -129,6 +129,7 @@ def test_golden_end_to_end_with_flow(golden_dir, flow, hift, run):
     runner = Token2WavRunner(flow, hift, recorder=records.append)
     chunks = runner.render(make_stream(g, NSFNoise.zero()), g["token"][0].tolist())
     check_against_golden(g, records, chunks, check_flow_mel=True)
+    assert (runner.stats.flow_cached_frames > 0) == (run != "nonstream")  # streaming: through the cache
 
 
 # --------------------------------------------------------------------------- schedule

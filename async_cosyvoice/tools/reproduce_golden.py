@@ -239,11 +239,16 @@ def e2e(ctx: Context, name: str) -> dict[str, np.ndarray]:
     g = ctx.npz(name)
     hop = int(g["token_hop_len"][0])
     records: list[ChunkRecord] = []
+    # the production runner: streaming chunks go through the exact flow state cache, starting from
+    # the prompt's speaker prefix as for a registered speaker
     runner = Token2WavRunner(ctx.models.flow, ctx.models.hift, recorder=records.append)
+    streaming = "nonstream" not in name
     stream = Token2WavStream(ctx.t(g["prompt_token"]), ctx.t(g["prompt_feat"]), ctx.t(g["embedding"]),
-                             stream="nonstream" not in name, noise=NSFNoise.zero(),
-                             schedule=ChunkSchedule(first_hop=hop, max_hop_multiple=4))
+                             stream=streaming, noise=NSFNoise.zero(),
+                             schedule=ChunkSchedule(first_hop=hop, max_hop_multiple=4), prompt_key=name)
     chunks = runner.render(stream, [int(t) for t in g["token"][0]])
+    if streaming and not (runner.stats.flow_cached_frames and len(runner.speaker_prefixes)):
+        raise RuntimeError(f"{name}: the streaming chunks did not go through the flow state cache")
     out = {}
     for i, r in enumerate(records):
         out.update({

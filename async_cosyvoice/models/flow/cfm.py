@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..dims import CFMParams, EstimatorDims
 from .estimator import CausalConditionalDecoder
+from .prefix import Cursor, Geometry
 
 Estimator = Callable[..., Tensor]  # (x, mask, mu, t, spks, cond, streaming) -> v
 
@@ -55,19 +56,47 @@ class CausalConditionalCFM(nn.Module):
         signature). Each step is one estimator call of batch 2B: [conditional; unconditional], the
         unconditional half with mu, spks and cond zeroed.
         """
-        p = self.params
         estimator = self.estimator if estimator is None else estimator
         B, C, T = mu.shape
-        if T > p.noise_frames:
-            raise ValueError(f"{T} mel frames (prompt + target) exceed the {p.noise_frames} frames of flow noise")
-        x = fixed_noise(C, p.noise_frames, mu.device, mu.dtype)[:, :, :T].expand(B, C, T)
+        if T > self.params.noise_frames:
+            raise ValueError(f"{T} mel frames (prompt + target) exceed the {self.params.noise_frames} frames of flow noise")
+        x = fixed_noise(C, self.params.noise_frames, mu.device, mu.dtype)[:, :, :T].expand(B, C, T)
+        if isinstance(streaming, Tensor):
+            streaming = streaming.reshape(-1).expand(B).repeat(2)
+        return self._integrate(x, mu, mask, spks, cond, lambda step, *args: estimator(*args, streaming), trace)
 
+    def forward_cached(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, g: Geometry,
+                       states: list[list[list] | None]) -> tuple[Tensor, list[list[list]]]:
+        """A cached streaming call (prefix.py): mu, cond (B, 80, N) and mask (B, 1, N) hold frames
+        [g.start[b], g.end[b]) of each item. states[b][step]: item b's estimator state at each CFM
+        step (None: nothing cached). Returns the mel of those frames and each item's states for
+        the next call. Runs the module's own PyTorch estimator."""
+        B, C = mu.shape[:2]
+        if g.K > self.params.noise_frames:
+            raise ValueError(f"{g.K} mel frames (prompt + target) exceed the {self.params.noise_frames} frames of flow noise")
+        noise = fixed_noise(C, self.params.noise_frames, mu.device, mu.dtype)[0]
+        # the noise at each item's absolute frames (padding frames clamp to a valid one; masked anyway)
+        x = noise[:, g.positions().clamp(max=self.params.noise_frames - 1)].permute(1, 0, 2)
+        new_states: list[list[list]] = [[] for _ in range(B)]
+
+        def step_fn(step, x2, mask2, mu2, t2, spks2, cond2):
+            cursor = Cursor([None if s is None else s[step - 1] for s in states])
+            v = self.estimator(x2, mask2, mu2, t2, spks2, cond2, cache=(cursor, g))
+            for b, entries in enumerate(cursor.out):
+                new_states[b].append(entries)
+            return v
+
+        return self._integrate(x, mu, mask, spks, cond, step_fn), new_states
+
+    def _integrate(self, x: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, estimator,
+                   trace: dict | None = None) -> Tensor:
+        """Euler steps from x; estimator(step, x2, mask2, mu2, t2, spks2, cond2) -> v for the 2B rows."""
+        p = self.params
+        B = mu.shape[0]
         mask2 = torch.cat([mask, mask])
         mu2 = torch.cat([mu, torch.zeros_like(mu)])
         spks2 = torch.cat([spks, torch.zeros_like(spks)])
         cond2 = torch.cat([cond, torch.zeros_like(cond)])
-        if isinstance(streaming, Tensor):
-            streaming = streaming.reshape(-1).expand(B).repeat(2)
         r = p.inference_cfg_rate
 
         t_span = time_grid(p.n_timesteps, p.t_scheduler, mu.device)
@@ -76,7 +105,7 @@ class CausalConditionalCFM(nn.Module):
         ts = []
         for step in range(1, p.n_timesteps + 1):
             x2, t2 = torch.cat([x, x]), t.expand(2 * B).to(mu.dtype)
-            v = estimator(x2, mask2, mu2, t2, spks2, cond2, streaming)
+            v = estimator(step, x2, mask2, mu2, t2, spks2, cond2)
             if trace is not None and step == 1:
                 trace.update(est_step1_in_x=x2, est_step1_in_mask=mask2, est_step1_in_mu=mu2, est_step1_in_t=t2,
                              est_step1_in_spks=spks2, est_step1_in_cond=cond2, est_step1_out=v)

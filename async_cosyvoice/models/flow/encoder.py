@@ -18,6 +18,9 @@ from torch import Tensor, nn
 
 from ..dims import EncoderDims
 from .masks import attention_mask, length_mask
+from .prefix import Cursor, Geometry
+
+Cache = tuple[Cursor, Geometry] | None  # a cached call's state walk and its frames (prefix.py)
 
 
 def rel_position_encoding(size: int, d_model: int, device, dtype) -> Tensor:
@@ -49,10 +52,11 @@ class PreLookaheadLayer(nn.Module):
         self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
         self.conv2 = nn.Conv1d(channels, channels, 3)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: Cache = None) -> Tensor:
         """x (B, T + lookahead, C), the last `lookahead` frames being right context -> (B, T, C)."""
         h = F.leaky_relu(self.conv1(x.transpose(1, 2)))
-        h = self.conv2(F.pad(h, (self.conv2.kernel_size[0] - 1, 0)))
+        h = _causal_input(h, self.conv2.kernel_size[0] - 1, cache)
+        h = self.conv2(h)
         return h.transpose(1, 2) + x[:, : h.size(2)]
 
 
@@ -68,18 +72,29 @@ class RelPositionAttention(nn.Module):
         self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.d_k))
         self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.d_k))
 
-    def forward(self, x: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
-        """x (B, T, D), pos (1, 2T−1, D) from rel_position_encoding, mask (B, T, T) bool."""
+    def forward(self, x: Tensor, pos: Tensor, mask: Tensor, cache: Cache = None) -> Tensor:
+        """x (B, T, D), pos (1, 2S−1, D) from rel_position_encoding(S), mask (B, T, K) bool.
+
+        Without a cache the queries and keys are frames 0..T−1 (K = T = S). With one, the queries
+        are the new frames (absolute positions g.positions()) and the keys the cached prefix
+        followed by them (K = g.K); S must cover every query − key distance."""
         B, T, D = x.shape
         q = self.linear_q(x).view(B, T, self.heads, self.d_k)
         k = self.linear_k(x).view(B, T, self.heads, self.d_k).transpose(1, 2)
         v = self.linear_v(x).view(B, T, self.heads, self.d_k).transpose(1, 2)
+        if cache is None:
+            i = torch.arange(T, device=x.device).unsqueeze(0)
+        else:
+            cursor, g = cache
+            k, v = cursor.attention(k, v, g)
+            i = g.positions()
         p = self.linear_pos(pos).view(1, -1, self.heads, self.d_k).transpose(1, 2)
 
-        # scores = ((q + u)·k + (q + v)·p[i − j]) / √d_k; column c of p holds position T−1−c
+        # scores = ((q + u)·k + (q + v)·p[i − j]) / √d_k; column c of p holds relative position S−1−c
+        S = (pos.size(1) + 1) // 2
         pos_scores = (q + self.pos_bias_v).transpose(1, 2) @ p.transpose(-2, -1)
-        i = torch.arange(T, device=x.device)
-        col = (T - 1 - i.unsqueeze(1) + i.unsqueeze(0)).expand(B, self.heads, T, T)
+        j = torch.arange(k.size(2), device=x.device)
+        col = (S - 1 - i.unsqueeze(2) + j).unsqueeze(1).expand(B, self.heads, T, k.size(2))
         bias = pos_scores.gather(-1, col) / math.sqrt(self.d_k)
         bias = bias.masked_fill(~mask.unsqueeze(1), float("-inf"))
         out = F.scaled_dot_product_attention((q + self.pos_bias_u).transpose(1, 2), k, v, attn_mask=bias)
@@ -106,8 +121,8 @@ class ConformerLayer(nn.Module):
         self.norm_mha = nn.LayerNorm(d_model, eps=1e-12)
         self.norm_ff = nn.LayerNorm(d_model, eps=1e-12)
 
-    def forward(self, x: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
-        x = x + self.self_attn(self.norm_mha(x), pos, mask)
+    def forward(self, x: Tensor, pos: Tensor, mask: Tensor, cache: Cache = None) -> Tensor:
+        x = x + self.self_attn(self.norm_mha(x), pos, mask, cache)
         return x + self.feed_forward(self.norm_ff(x))
 
 
@@ -119,10 +134,10 @@ class Upsample1D(nn.Module):
         self.stride = stride
         self.conv = nn.Conv1d(channels, channels, 2 * stride + 1)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: Cache = None) -> Tensor:
         """(B, C, T) -> (B, C, stride·T)."""
         x = x.repeat_interleave(self.stride, dim=2)
-        return self.conv(F.pad(x, (2 * self.stride, 0)))
+        return self.conv(_causal_input(x, 2 * self.stride, cache))
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -179,3 +194,40 @@ class UpsampleConformerEncoder(nn.Module):
         for layer in layers:
             x = layer(x, pos, mask)
         return x
+
+    def forward_cached(self, xs: Tensor, g: Geometry, cursor: Cursor, context_lengths: Tensor | None = None) -> Tensor:
+        """A streaming call on new tokens only. xs (B, <= N + lookahead, input_size): the embeddings of
+        item b's tokens [g.start[b], g.end[b] + context_lengths[b]), right-padded (context_lengths
+        default: lookahead; 0 = a last call, zeros as right context); the keys and conv context of
+        tokens before g.start[b] come from the cursor. Returns (B, stride·N, output_size), the
+        frames [stride·start, stride·end), zero past each item; equal to `forward(..., streaming=True)`
+        on the whole sequence at those frames."""
+        dims = self.dims
+        if context_lengths is None:
+            context_lengths = torch.full_like(g.new_lengths, dims.pre_lookahead_len)
+        seen = torch.arange(xs.size(1), device=xs.device) < (g.new_lengths + context_lengths).unsqueeze(1)
+        x = self.embed(xs) * seen.unsqueeze(-1).to(xs.dtype)
+        x = F.pad(x, (0, 0, 0, max(0, g.N + dims.pre_lookahead_len - x.size(1))))  # zeros: no look-ahead tokens
+        x = self.pre_lookahead_layer(x[:, : g.N + dims.pre_lookahead_len], (cursor, g))
+        x = self._cached_layers(self.encoders, x, g, cursor, dims.static_chunk_size)
+        g2 = g.scaled(dims.upsample_stride)
+        x = self.up_layer(x.transpose(1, 2), (cursor, g2)).transpose(1, 2)
+        x = self.up_embed(x)
+        x = self._cached_layers(self.up_encoders, x, g2, cursor, dims.static_chunk_size * dims.upsample_stride)
+        x = self.after_norm(x)
+        return x * g2.valid().unsqueeze(-1).to(x.dtype)
+
+    def _cached_layers(self, layers: nn.ModuleList, x: Tensor, g: Geometry, cursor: Cursor, chunk: int) -> Tensor:
+        pos = rel_position_encoding(max(max(g.start) + g.N, g.K), x.size(2), x.device, x.dtype)
+        mask = g.attention_mask(chunk)
+        for layer in layers:
+            x = layer(x, pos, mask, (cursor, g))
+        return x
+
+
+def _causal_input(x: Tensor, context: int, cache: Cache) -> Tensor:
+    """x (B, C, T) with `context` frames of left context: zeros, or the cached frames before a cached call."""
+    if cache is None:
+        return F.pad(x, (context, 0))
+    cursor, g = cache
+    return cursor.conv(x, context, g)

@@ -15,6 +15,9 @@ from torch import Tensor, nn
 
 from ..dims import EstimatorDims
 from .masks import attention_mask
+from .prefix import Cursor, Geometry
+
+Cache = tuple[Cursor, Geometry] | None  # a cached call's state walk and its frames (prefix.py)
 
 _GELU_APPROXIMATE = {"gelu": "none", "gelu-approximate": "tanh"}
 
@@ -41,8 +44,12 @@ class CausalConv1d(nn.Conv1d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int):
         super().__init__(in_channels, out_channels, kernel_size)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+    def forward(self, x: Tensor, cache: Cache = None) -> Tensor:
+        context = self.kernel_size[0] - 1
+        if cache is None:
+            return super().forward(F.pad(x, (context, 0)))
+        cursor, g = cache
+        return super().forward(cursor.conv(x, context, g))
 
 
 class Transpose(nn.Module):
@@ -59,8 +66,12 @@ class CausalBlock1D(nn.Module):
             CausalConv1d(dim, dim_out, 3), Transpose(), nn.LayerNorm(dim_out), Transpose(), nn.Mish()
         )
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        return self.block(x * mask) * mask
+    def forward(self, x: Tensor, mask: Tensor, cache: Cache = None) -> Tensor:
+        conv, *rest = self.block
+        h = conv(x * mask, cache)
+        for m in rest:
+            h = m(h)
+        return h * mask
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -71,9 +82,9 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, t: Tensor) -> Tensor:
-        h = self.block1(x, mask) + self.mlp(t).unsqueeze(-1)
-        return self.block2(h, mask) + self.res_conv(x * mask)
+    def forward(self, x: Tensor, mask: Tensor, t: Tensor, cache: Cache = None) -> Tensor:
+        h = self.block1(x, mask, cache) + self.mlp(t).unsqueeze(-1)
+        return self.block2(h, mask, cache) + self.res_conv(x * mask)
 
 
 class Attention(nn.Module):
@@ -85,10 +96,13 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, heads * head_dim, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim)])
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        """x (B, T, dim), bias (B, 1, T, T) additive."""
+    def forward(self, x: Tensor, bias: Tensor, cache: Cache = None) -> Tensor:
+        """x (B, T, dim), bias (B, 1, T, K) additive (K = T, or the cached call's keys)."""
         B, T, _ = x.shape
         q, k, v = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        if cache is not None:
+            cursor, g = cache
+            k, v = cursor.attention(k, v, g)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.to_out[0](out.transpose(1, 2).reshape(B, T, -1))
 
@@ -125,8 +139,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, act_fn)
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        x = x + self.attn1(self.norm1(x), bias)
+    def forward(self, x: Tensor, bias: Tensor, cache: Cache = None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), bias, cache)
         return x + self.ff(self.norm3(x))
 
 
@@ -165,38 +179,53 @@ class CausalConditionalDecoder(nn.Module):
         spks: Tensor,
         cond: Tensor,
         streaming: bool | Tensor = False,
+        cache: Cache = None,
     ) -> Tensor:
         """x, mu, cond (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80) -> v (B, 80, T), zero where masked.
 
         streaming (bool or (B,) bool): attention limited to chunks of static_chunk_size frames from frame 0.
+        cache: a cached streaming call (prefix.py): the T frames are each item's new frames, the
+        attention keys and conv context before them come from the cursor, `streaming` is ignored.
         """
         t = self.time_mlp(timestep_embedding(t, self.dims.in_channels).to(x.dtype))
         x = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(2)), cond], dim=1)
-        bias = self.attention_bias(mask, streaming, x.dtype)
+        if cache is None:
+            bias = self.attention_bias(mask, streaming, x.dtype)
+        else:  # the same for every CFM step of the call: made once
+            g = cache[1]
+            key = ("estimator bias", x.size(0), x.dtype)
+            if key not in g.index_cache:
+                allowed = g.attention_mask(self.dims.static_chunk_size).repeat(x.size(0) // g.B, 1, 1)
+                g.index_cache[key] = _additive(allowed, x.dtype)
+            bias = g.index_cache[key]
 
         (resnet, blocks, down), = self.down_blocks
-        x = _attend(blocks, resnet(x, mask, t), bias)
+        x = _attend(blocks, resnet(x, mask, t, cache), bias, cache)
         skip = x
-        x = down(x * mask)
+        x = down(x * mask, cache)
         for resnet, blocks in self.mid_blocks:
-            x = _attend(blocks, resnet(x, mask, t), bias)
+            x = _attend(blocks, resnet(x, mask, t, cache), bias, cache)
         (resnet, blocks, up), = self.up_blocks
-        x = _attend(blocks, resnet(torch.cat([x, skip], dim=1), mask, t), bias)
-        x = up(x * mask)
-        x = self.final_block(x, mask)
+        x = _attend(blocks, resnet(torch.cat([x, skip], dim=1), mask, t, cache), bias, cache)
+        x = up(x * mask, cache)
+        x = self.final_block(x, mask, cache)
         return self.final_proj(x * mask) * mask
 
     def attention_bias(self, mask: Tensor, streaming: bool | Tensor, dtype: torch.dtype) -> Tensor:
         """(B, 1, T) frame mask -> (B, 1, T, T) additive bias: 0 where allowed, −1e10 elsewhere."""
-        allowed = attention_mask(mask[:, 0] > 0, self.dims.static_chunk_size, streaming)
-        # float16 cannot hold −1e10; its most negative finite value masks just as well
-        return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(
-            ~allowed, max(-1e10, torch.finfo(dtype).min)
-        ).unsqueeze(1)
+        return _additive(attention_mask(mask[:, 0] > 0, self.dims.static_chunk_size, streaming), dtype)
 
 
-def _attend(blocks: nn.ModuleList, x: Tensor, bias: Tensor) -> Tensor:
+def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, T, K) bool -> (B, 1, T, K) additive bias: 0 where allowed, −1e10 elsewhere."""
+    # float16 cannot hold −1e10; its most negative finite value masks just as well
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, max(-1e10, torch.finfo(dtype).min)
+    ).unsqueeze(1)
+
+
+def _attend(blocks: nn.ModuleList, x: Tensor, bias: Tensor, cache: Cache = None) -> Tensor:
     x = x.transpose(1, 2)
     for block in blocks:
-        x = block(x, bias)
+        x = block(x, bias, cache)
     return x.transpose(1, 2)

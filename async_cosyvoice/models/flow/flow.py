@@ -12,6 +12,7 @@ from ..dims import FlowDims
 from .cfm import CausalConditionalCFM, Estimator
 from .encoder import UpsampleConformerEncoder
 from .masks import length_mask
+from .prefix import Cursor, FlowState, Geometry
 
 
 class Flow(nn.Module):
@@ -66,6 +67,70 @@ class Flow(nn.Module):
 
         mel = self.decoder(mu, mask, spks, cond, streaming, estimator=estimator, trace=trace)
         return mel, mel_lens
+
+    @torch.inference_mode()
+    def forward_cached(
+        self,
+        tokens: Tensor,
+        g: Geometry,
+        prompt_feat: Tensor,
+        prompt_feat_lens: Tensor,
+        embedding: Tensor,
+        states: list[FlowState | None],
+        context_lens: list[int] | None = None,
+    ) -> tuple[Tensor, list[FlowState]]:
+        """A streaming call on new frames only (the exact flow state cache, prefix.py).
+
+        Item b renders tokens [g.start[b], g.end[b]) of its prompt + target sequence against its
+        cached state (states[b].tokens == g.start[b]; None: nothing cached, start 0) and keeps the
+        state of tokens [0, g.keep[b]). tokens (B, N + pre_lookahead_len): the ids of tokens
+        [start, end + pre_lookahead_len) right-padded; keep[b] must be a multiple of the encoder
+        chunk (or equal start), so only complete chunks are cached. prompt_feat (B, F, 80) with
+        prompt_feat_lens[b] valid frames (absolute, from frame 0), embedding (B, 192). context_lens[b]:
+        look-ahead tokens after end[b] in `tokens` (default pre_lookahead_len; 0: zeros, as a final
+        call, then with chunked instead of upstream's full attention).
+
+        Returns mel (B, 80, ratio·N) float32 of frames [ratio·start, ratio·end), zero past each
+        item, and the items' new states. Equal to `forward(..., streaming=True)` on the whole
+        sequence at those frames, up to float summation order.
+        """
+        chunk = self.dims.encoder.static_chunk_size
+        for b, s in enumerate(states):
+            if (0 if s is None else s.tokens) != g.start[b]:
+                raise ValueError(f"item {b}: the cached state covers {0 if s is None else s.tokens} tokens, "
+                                 f"the call starts at {g.start[b]}")
+            if g.keep[b] != g.start[b] and g.keep[b] % chunk:
+                raise ValueError(f"item {b}: keep {g.keep[b]} is not a multiple of the {chunk}-token chunk")
+        dtype, device = self.input_embedding.weight.dtype, self.input_embedding.weight.device
+        spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device).float(), dim=1).to(dtype))
+        x = self.input_embedding(tokens.to(device).clamp(min=0).long())
+        cursor = Cursor([None if s is None else s.encoder for s in states])
+        context = None if context_lens is None else torch.tensor(context_lens, device=device)
+        h = self.encoder.forward_cached(x, g, cursor, context)
+        mu = self.encoder_proj(h).transpose(1, 2)
+
+        g2 = g.scaled(self.dims.token_mel_ratio)
+        valid = g2.valid()
+        mask = valid.unsqueeze(1).to(dtype)
+        pos = g2.positions()
+        feat = prompt_feat.to(device=device, dtype=dtype)
+        if feat.size(1) == 0:
+            feat = feat.new_zeros(feat.size(0), 1, feat.size(2))
+        in_prompt = valid & (pos < prompt_feat_lens.to(device).unsqueeze(1))
+        cond = torch.gather(feat, 1, pos.clamp(max=feat.size(1) - 1).unsqueeze(-1).expand(-1, -1, feat.size(2)))
+        cond = (cond * in_prompt.unsqueeze(-1).to(dtype)).transpose(1, 2)
+
+        mel, steps = self.decoder.forward_cached(mu, mask, spks, cond, g2,
+                                                 [None if s is None else s.steps for s in states])
+        new = []
+        for b, old in enumerate(states):
+            kept = g2.keep[b] - g2.start[b]
+            if kept == 0:
+                new.append(old)
+                continue
+            mel_segments = (() if old is None else old.mel) + (mel[b:b + 1, :, :kept].clone(),)
+            new.append(FlowState(g.keep[b], tuple(cursor.out[b]), tuple(tuple(e) for e in steps[b]), mel_segments))
+        return mel, new
 
     @torch.inference_mode()
     def inference(

@@ -1,0 +1,186 @@
+"""Running the flow on new frames only, against a cached prefix (the exact flow state cache).
+
+Under the streaming chunk masks a frame attends to every frame before the end of its own chunk
+and nothing after; convolutions are causal; the flow noise is fixed by absolute frame position.
+So once a chunk is complete (all of its frames are inputs of a streaming call), every hidden state
+of it — encoder keys/values, the causal convs' left context, and at every CFM step the
+estimator's keys/values and conv context — is the same on every later streaming call. A cached
+call computes only frames [start, end) of each item: queries are the new frames, keys are the
+cached prefix followed by the new frames, and each causal conv reads its last `kernel − 1` input
+frames before `start` from the cache.
+
+The state of one item is a flat list of entries in the order the modules run (`Cursor`):
+- a causal conv's left context: Tensor (rows, channels, kernel − 1) (None: zeros, the start);
+- an attention layer's keys and values: (k_segments, v_segments), tuples of (rows, heads, n, d)
+  tensors concatenated along frames (segments, so a speaker's prefix is shared, never copied).
+`rows` is 1 in the encoder and 2 in the estimator (conditional, unconditional half).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+Entry = Any  # Tensor | tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None
+
+
+@dataclass
+class Geometry:
+    """Frames [start[b], end[b]) of item b are computed now (right-padded to N = max(end − start));
+    frames before start[b] are cached; after the call frames before keep[b] are (start <= keep <= end)."""
+    start: list[int]
+    end: list[int]
+    keep: list[int]
+    device: torch.device
+
+    def __post_init__(self):
+        for s, e, k in zip(self.start, self.end, self.keep):
+            if not 0 <= s <= k <= e:
+                raise ValueError(f"need 0 <= start {s} <= keep {k} <= end {e}")
+        self.B = len(self.start)
+        self.new = [e - s for s, e in zip(self.start, self.end)]
+        self.N = max(self.new)
+        self.K = max(self.end)
+        self._start = torch.tensor(self.start, device=self.device)
+        self.new_lengths = torch.tensor(self.new, device=self.device)
+        self._end = torch.tensor(self.end, device=self.device)
+        self.index_cache: dict = {}  # gather indices and masks, made once per call for every layer and CFM step
+
+    def scaled(self, factor: int) -> "Geometry":
+        return Geometry([factor * s for s in self.start], [factor * e for e in self.end],
+                        [factor * k for k in self.keep], self.device)
+
+    def valid(self) -> Tensor:
+        """(B, N) bool: the item's new frames."""
+        return torch.arange(self.N, device=self.device) < self.new_lengths.unsqueeze(1)
+
+    def positions(self) -> Tensor:
+        """(B, N) absolute position of each new frame."""
+        return self._start.unsqueeze(1) + torch.arange(self.N, device=self.device)
+
+    def attention_mask(self, chunk: int) -> Tensor:
+        """(B, N, K) bool: new frame i (absolute) sees key j < end[b] in its own chunk or before.
+        Padded query rows see the item's keys, so no row is fully masked."""
+        i = self.positions().unsqueeze(2)
+        j = torch.arange(self.K, device=self.device)
+        chunk_end = (torch.div(i, chunk, rounding_mode="floor") + 1) * chunk
+        return (j < self._end.view(-1, 1, 1)) & ((j < chunk_end) | ~self.valid().unsqueeze(2))
+
+    def rows(self, b: int) -> slice:
+        """Item b's rows of a (rows·B, …) batch: b, B + b, …"""
+        return slice(b, None, self.B)
+
+
+class Cursor:
+    """One cached call's walk through its items' states, in module order: each causal conv and each
+    attention layer takes the next entry of every item and leaves the entry for the next call.
+
+    Every layer does a fixed number of tensor ops whatever the number of items (one gather builds
+    the padded keys of all items; one gather takes the frames to keep), so a batch of many streams
+    costs few kernel launches. The kept frames of all items of one layer are one tensor per call;
+    each item's segment is a view of it.
+    """
+
+    def __init__(self, states: Sequence[Sequence[Entry] | None]):
+        self.states = states
+        self.pos = 0
+        self.out: list[list[Entry]] = [[] for _ in states]
+
+    def _take(self) -> list[Entry]:
+        i, self.pos = self.pos, self.pos + 1
+        return [None if s is None else s[i] for s in self.states]
+
+    def conv(self, x: Tensor, context: int, g: Geometry) -> Tensor:
+        """x (rows·B, C, N) new frames -> (rows·B, C, context + N): each item's cached left context
+        (zeros at the sequence start) then x. Records each item's context before keep[b]."""
+        old = self._take()
+        R, C, N = x.shape[0] // g.B, x.shape[1], x.shape[2]
+        zeros = x.new_zeros(R, C, context)
+        ctx = torch.stack([zeros if c is None else c for c in old], dim=1).reshape(R * g.B, C, context)
+        xc = torch.cat([ctx, x], dim=2)
+        key = ("conv", context)
+        index = g.index_cache.get(key)
+        if index is None:
+            first = torch.tensor([k - s for s, k in zip(g.start, g.keep)], device=x.device)
+            index = g.index_cache[key] = (first.view(-1, 1) + torch.arange(context, device=x.device)).view(1, -1, 1, context)
+        taken = xc.view(R, g.B, C, context + N).gather(3, index.expand(R, g.B, C, context))
+        for b, c in enumerate(old):
+            self.out[b].append(taken[:, b] if g.keep[b] > g.start[b] else c)
+        return xc
+
+    def attention(self, k: Tensor, v: Tensor, g: Geometry) -> tuple[Tensor, Tensor]:
+        """k, v (rows·B, H, N, d) of the new frames -> (rows·B, H, K, d): each item's cached keys
+        (values) at [0, start[b]), its new ones at [start[b], end[b]), zeros after. Records
+        the keys before keep[b] (the cached segments plus the new frames up to keep[b])."""
+        old = self._take()
+        segments = [((), ()) if e is None else e for e in old]
+        lengths = tuple(tuple(t.shape[2] for t in ks) for ks, _ in segments)
+        for b, n in enumerate(lengths):
+            if sum(n) != g.start[b]:
+                raise RuntimeError(f"cached keys cover {sum(n)} frames, the call starts at {g.start[b]}")
+        gather, kept = self._attention_index(g, lengths, k.device)
+        out = []
+        for new, part in ((k, 0), (v, 1)):
+            R, H, N, d = new.shape[0] // g.B, new.shape[1], new.shape[2], new.shape[3]
+            new = new.view(R, g.B, H, N, d).transpose(1, 2).reshape(R, H, g.B * N, d)
+            flat = torch.cat([t for seg in segments for t in seg[part]] + [new, new.new_zeros(R, H, 1, d)], dim=2)
+            full = flat.index_select(2, gather).view(R, H, g.B, g.K, d).transpose(1, 2).reshape(R * g.B, H, g.K, d)
+            keep = flat.index_select(2, kept[0]).split(kept[1], dim=2) if kept[1] else ()
+            out.append((full, keep))
+        (K, k_keep), (V, v_keep) = out
+        i = 0
+        for b, (ks, vs) in enumerate(segments):
+            if g.keep[b] > g.start[b]:
+                ks, vs = ks + (k_keep[i],), vs + (v_keep[i],)
+                i += 1
+            self.out[b].append((ks, vs))
+        return K, V
+
+    def _attention_index(self, g: Geometry, lengths: tuple, device) -> tuple[Tensor, tuple[Tensor, list[int]]]:
+        """Indices into the flat [cached segments of every item, new frames of every item, one zero
+        frame]: the (B·K) frames of the padded keys, and the frames kept (with each item's count)."""
+        key = ("attention", lengths)
+        if key in g.index_cache:
+            return g.index_cache[key]
+        cached_total = sum(g.start)
+        new_base, zero = cached_total, cached_total + g.B * g.N
+        rows, kept, counts, offset = [], [], [], 0
+        for b in range(g.B):
+            s, e = g.start[b], g.end[b]
+            rows.append(torch.cat([torch.arange(offset, offset + s), new_base + b * g.N + torch.arange(e - s),
+                                   torch.full((g.K - e,), zero)]))
+            offset += s
+            if g.keep[b] > s:
+                kept.append(new_base + b * g.N + torch.arange(g.keep[b] - s))
+                counts.append(g.keep[b] - s)
+        gather = torch.cat(rows).to(device)
+        kept_index = torch.cat(kept).to(device) if kept else torch.zeros(0, dtype=torch.long, device=device)
+        g.index_cache[key] = (gather, (kept_index, counts))
+        return g.index_cache[key]
+
+
+@dataclass(frozen=True, eq=False)
+class FlowState:
+    """What a streaming flow call leaves for the next one: the state of the first `tokens` tokens
+    (prompt + target, a multiple of the encoder chunk). Immutable: a later call makes a new one
+    that shares these tensors, so a speaker's prefix can start many streams."""
+    tokens: int
+    encoder: tuple[Entry, ...]
+    steps: tuple[tuple[Entry, ...], ...]  # the estimator's entries at each CFM step
+    mel: tuple[Tensor, ...]  # the flow output (1, 80, n) of frames [0, ratio·tokens), in segments
+
+    def tensors(self) -> list[Tensor]:
+        out = list(self.mel)
+        for entry in (*self.encoder, *(e for step in self.steps for e in step)):
+            if isinstance(entry, Tensor):
+                out.append(entry)
+            elif entry is not None:
+                out.extend(t for part in entry for t in part)
+        return out
+
+    def nbytes(self, excluding: "FlowState | None" = None) -> int:
+        """Bytes of this state's tensors, less those it shares with `excluding`."""
+        shared = {id(t) for t in excluding.tensors()} if excluding is not None else set()
+        return sum(t.numel() * t.element_size() for t in self.tensors() if id(t) not in shared)
