@@ -105,9 +105,11 @@ class Synthesizer:
         speakers = SpeakerStore(config.speakers.dir, cache_size=config.speakers.cache_size)
         engine = create_engine(config, models.llm, model_dir)
         estimator = estimator_from_config(config.token2wav, models.flow, flow_pt=model_dir.path / "flow.pt")
-        runner = Token2WavRunner(models.flow, models.hift, estimator=estimator,
-                                 length_bucket_ratio=config.token2wav.length_bucket_ratio)
-        batcher = Token2WavBatcher(runner, max_batch=config.token2wav.max_batch, batching=config.token2wav.batching)
+        t2w = config.token2wav
+        runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
+                                 flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
+                                 max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final)
+        batcher = Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
                    text_frontend=text_frontend, prompt_encoder=prompt_encoder, speakers=speakers,
                    engine=engine, batcher=batcher)
