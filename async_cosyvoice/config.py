@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ENV_PREFIX = "ASYNC_COSYVOICE__"
 
@@ -63,8 +63,17 @@ class Token2WavConfig(_Section):
 
 
 class SpeakerConfig(_Section):
+    backend: Literal["directory", "redis"] = "directory"  # redis: shared by every replica
     dir: Path = Path("spk2info")
     cache_size: int = Field(256, ge=1)
+    redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0 (backend redis)
+    redis_prefix: str = Field("async_cosyvoice:speakers", min_length=1)
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> "SpeakerConfig":
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("speakers.backend redis needs speakers.redis_url (e.g. redis://127.0.0.1:6379/0)")
+        return self
 
 
 class LimitsConfig(_Section):

@@ -226,7 +226,7 @@ class Synthesizer:
         from .frontend.prompt import PromptEncoder
         from .frontend.text import TextFrontend
         from .model_dir import build_models, load_model_dir
-        from .speakers import SpeakerStore
+        from .speaker_store import open_speaker_store
         from .token2wav import Token2WavRunner
         from .token2wav_batcher import Token2WavBatcher
 
@@ -245,7 +245,7 @@ class Synthesizer:
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
-        speakers = SpeakerStore(config.speakers.dir, cache_size=config.speakers.cache_size)
+        speakers = open_speaker_store(config.speakers)
         engine = create_engine(config, models.llm, model_dir)
         estimator = estimator_from_config(config.token2wav, models.flow, flow_pt=model_dir.path / "flow.pt")
         runner = Token2WavRunner(models.flow, models.hift, estimator=estimator,
