@@ -24,6 +24,16 @@ class ModelConfig(_Section):
     device: str = "cpu"
     llm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     flow_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # several devices in one server (async_cosyvoice.placement); empty: just `device`
+    devices: list[str] = []
+    placement: Literal["replicas", "disaggregated"] = "replicas"
+
+    @model_validator(mode="after")
+    def _disaggregated_needs_two(self) -> "ModelConfig":
+        if self.placement == "disaggregated" and len(self.devices) < 2:
+            raise ValueError("model.placement disaggregated needs model.devices with at least two entries "
+                             "(the LLM on the first, token2wav on the others)")
+        return self
 
 
 class EngineConfig(_Section):

@@ -113,10 +113,12 @@ class CosyVoiceServer:
             if self._factory is not None:
                 synth = await self._factory(self.config)
             else:
-                from async_cosyvoice.tts import Synthesizer
-                synth = await Synthesizer.create(self.config)
+                from async_cosyvoice.placement import create_synthesizer
+                synth = await create_synthesizer(self.config)  # one device, or several (model.devices)
         self.servicer.synth = synth
         self.metrics.bind_engine(synth.engine_stats)
+        from .device_metrics import DeviceCollector
+        self.metrics.registry.register(DeviceCollector(synth))
         if self.servicer.closing:
             return
         self.metrics.ready.set(1)
