@@ -4,7 +4,10 @@ The config is our usual YAML (plus ASYNC_COSYVOICE__* overrides, read where the 
 speakers should be `backend: redis` so that every replica shares them. Start Serve with the gRPC
 proxy on, naming our servicer function (deploy/ray-serve.yaml does):
 
-    grpc_options: {port: 9000, grpc_servicer_functions: [ray_app.stubs.add_CosyVoiceServicer_to_server]}
+    grpc_options:
+      port: 9000
+      grpc_servicer_functions: [ray_app.stubs.add_CosyVoiceServicer_to_server,
+                                ray_app.stubs.add_HealthServicer_to_server]
 """
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ from async_cosyvoice.config import Config
 
 from .deployments import CosyVoiceIngress, CosyVoiceModel
 
-GRPC_SERVICER_FUNCTION = "ray_app.stubs.add_CosyVoiceServicer_to_server"
 
 
 def build(args: dict) -> Application:

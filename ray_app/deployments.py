@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -78,3 +79,11 @@ class CosyVoiceIngress:
 
     async def DeleteSpeaker(self, request, grpc_context):
         return await serve_unary(self.servicer.DeleteSpeaker, request, grpc_context)
+
+    # grpc.health.v1: this ingress exists once a model replica answered (see __init__); Ray
+    # replaces dead model replicas behind it.
+    async def Check(self, request, grpc_context):
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def Watch(self, request, grpc_context):
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)

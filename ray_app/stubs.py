@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from grpc_health.v1 import health_pb2_grpc
+
 from grpc_async import pb2, pb2_grpc
 
 if sys.modules.setdefault("cosyvoice_pb2", pb2) is not pb2:
@@ -18,3 +20,8 @@ if sys.modules.setdefault("cosyvoice_pb2", pb2) is not pb2:
                       "requests into it")
 
 add_CosyVoiceServicer_to_server = pb2_grpc.add_CosyVoiceServicer_to_server
+add_HealthServicer_to_server = health_pb2_grpc.add_HealthServicer_to_server
+
+# What `grpc_options.grpc_servicer_functions` names: our service, and grpc.health.v1 so that
+# clients and probes that wait for SERVING (CosyVoiceClient.wait_ready, grpc_health_probe) work.
+GRPC_SERVICER_FUNCTIONS = [f"{__name__}.add_CosyVoiceServicer_to_server", f"{__name__}.add_HealthServicer_to_server"]

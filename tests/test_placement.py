@@ -3,12 +3,14 @@ disaggregated placement, each a real server on 127.0.0.1 with the fixture model.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import urllib.request
 
 import numpy as np
 import pytest
 
+from async_cosyvoice.cli import main as cli_main
 from async_cosyvoice.config import Config
 from async_cosyvoice.placement import ReplicaRouter, Token2WavPool, device_stats
 from grpc_async.client import CosyVoiceClient, chunk_samples
@@ -78,6 +80,15 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         assert all(r.active == 0 for r in router.replicas)
         assigned = _device_metric(st, "cosyvoice_device_assigned_total")
         assert assigned == {("0", "replica"): served_before[0] + 2, ("1", "replica"): served_before[1] + 2}
+
+        # the benchmark client against the two-replica server
+        before = [r.served for r in router.replicas]
+        out = tmp_path / "bench.json"
+        code = cli_main(["bench", "--target", st.target, "--concurrency", "2", "--requests", "4", "--tokens", "20",
+                         "--prompt-seconds", "1", "--no-warmup", "--quiet", "--no-plots", "--out", str(out)])
+        (level,) = json.loads(out.read_text())["levels"]
+        assert code == 0 and level["errors"] == 0 and level["requests"] == 4
+        assert all(r.served > b for r, b in zip(router.replicas, before))  # both replicas took bench requests
 
 
 def test_disaggregated_streams_spread_over_token2wav_workers(tiny_dir, tmp_path, golden_dir):

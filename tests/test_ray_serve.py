@@ -10,6 +10,7 @@ acknowledged is lost, and Serve replaces the replica.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -19,12 +20,13 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions, HTTPOptions
 
+from async_cosyvoice.cli import main as cli_main
 from async_cosyvoice.config import Config
 from grpc_async import pb2, pb2_grpc
 from grpc_async.client import CosyVoiceClient, audio_data
-from ray_app.app import GRPC_SERVICER_FUNCTION
 from ray_app.deployments import CosyVoiceIngress, CosyVoiceModel
 from ray_app.remote import REPLICA_TRAILER
+from ray_app.stubs import GRPC_SERVICER_FUNCTIONS
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +47,7 @@ def ray_cosyvoice(tiny_dir, redis_server):
     ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False,
              namespace=f"test-{uuid.uuid4().hex[:8]}")
     grpc_port = _free_port()
-    serve.start(grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER_FUNCTION]),
+    serve.start(grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS),
                 http_options=HTTPOptions(host="127.0.0.1", port=_free_port()))
     config = Config.model_validate({
         "model": {"dir": str(tiny_dir)},
@@ -77,6 +79,15 @@ async def _synthesize(stub, request, started: asyncio.Event | None = None) -> tu
         return e.code().name, e.details()
     trailers = dict(await call.trailing_metadata())
     return "OK", trailers.get(REPLICA_TRAILER, "")
+
+
+def test_bench_against_the_ray_app(ray_cosyvoice, tmp_path):
+    out = tmp_path / "bench.json"
+    code = cli_main(["bench", "--target", ray_cosyvoice, "--concurrency", "2", "--requests", "4", "--tokens", "20",
+                     "--prompt-seconds", "1", "--no-warmup", "--quiet", "--no-plots", "--out", str(out)])
+    (level,) = json.loads(out.read_text())["levels"]
+    assert code == 0 and level["errors"] == 0 and level["requests"] == 4
+    assert level["audio_s"] == pytest.approx(4 * 20 * 0.04)  # the forced token count went through Ray
 
 
 def test_two_replicas_share_speakers_and_survive_a_kill(ray_cosyvoice, golden_dir):
