@@ -1,7 +1,9 @@
 """Several devices behind one synthesizer: `model.devices` with `model.placement`.
 
-    replicas        a whole Synthesizer per device; each request goes to the replica with the
-                    fewest active requests (`ReplicaRouter`, the Synthesizer's public interface)
+    replicas        a whole Synthesizer per device; each request goes to the running replica
+                    with the fewest active requests (`ReplicaRouter`, the Synthesizer's public
+                    interface); a replica that stops ends its requests with NotReady (retry) and
+                    takes no new ones, the others carry on
     disaggregated   one Synthesizer whose LLM engine runs on the first device, with one token2wav
                     worker (batcher + runner) per other device; each stream goes to the worker
                     with the fewest live streams and stays there (`Token2WavPool`, the batcher's
@@ -23,6 +25,7 @@ import torch
 
 from .config import Config
 from .engine.base import EngineStats
+from .errors import NotReady
 from .estimator import estimator_from_config
 from .model_dir import ModelDir, build_models
 from .token2wav import Token2WavJob, Token2WavRunner, Token2WavStream
@@ -106,10 +109,14 @@ class ReplicaRouter:
 
     @property
     def ready(self) -> bool:
-        return all(r.synth.ready for r in self.replicas)
+        """Serving while any replica is (a stopped one takes no new requests)."""
+        return any(r.synth.ready for r in self.replicas)
 
     def _pick(self) -> _Replica:
-        return min(self.replicas, key=lambda r: (r.active, r.served))
+        live = [r for r in self.replicas if r.synth.ready]
+        if not live:
+            raise NotReady("no device replica is running; retry on another instance")
+        return min(live, key=lambda r: (r.active, r.served))
 
     @contextlib.contextmanager
     def _assigned(self) -> Iterator[_Replica]:
@@ -123,9 +130,16 @@ class ReplicaRouter:
 
     async def _route(self, method: str, *args, **kwargs) -> AsyncIterator[AudioChunk]:
         with self._assigned() as replica:
-            async with contextlib.aclosing(getattr(replica.synth, method)(*args, **kwargs)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            try:
+                async with contextlib.aclosing(getattr(replica.synth, method)(*args, **kwargs)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+            except (Exception, asyncio.CancelledError) as e:
+                # a replica stopped under the request (its engine ends requests with NotReady, its
+                # batcher cancels pending chunk jobs): retryable, unless our caller cancelled us
+                if replica.synth.ready or asyncio.current_task().cancelling() or isinstance(e, NotReady):
+                    raise
+                raise NotReady(f"the replica on {replica.device} stopped during this request; retry") from e
 
     def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         return self._route("synthesize", request)

@@ -44,6 +44,7 @@ class Token2WavBatcher:
         self.stats = BatcherStats()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav")
         self._heap: list[_Pending] = []
+        self._running: list[_Pending] = []  # the batch on the device now
         self._seq = itertools.count()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -87,6 +88,7 @@ class Token2WavBatcher:
             self._wake.clear()
             while batch := self._take_batch():
                 jobs = [p.job for p in batch]
+                self._running = batch  # close() must not leave these callers waiting
                 try:
                     outs = await loop.run_in_executor(self._executor, self.runner.run_many, jobs)
                 except Exception as e:  # a failed batch fails its callers, not the batcher
@@ -113,8 +115,9 @@ class Token2WavBatcher:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for p in self._heap:
+        for p in self._heap + self._running:
             if not p.future.done():
                 p.future.cancel()
         self._heap.clear()
+        self._running = []
         self._executor.shutdown(wait=True)

@@ -1,5 +1,7 @@
-"""Several devices behind one gRPC server (model.devices = [cpu, cpu]): replicas and the
-disaggregated placement, each a real server on 127.0.0.1 with the fixture model."""
+"""Several devices behind one gRPC server: replicas on [cpu, cpu] (routing by load, one shared
+speaker store, per-device metrics, the benchmark client, one replica stopping under load) and
+the disaggregated placement on [cpu, cpu, cpu] (LLM + two token2wav workers), each a real server
+on 127.0.0.1 with the fixture model."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +9,7 @@ import json
 import re
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 
@@ -89,6 +92,30 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         (level,) = json.loads(out.read_text())["levels"]
         assert code == 0 and level["errors"] == 0 and level["requests"] == 4
         assert all(r.served > b for r, b in zip(router.replicas, before))  # both replicas took bench requests
+
+        # replica 0 stops under load: its streams end with UNAVAILABLE, replica 1's finish, later
+        # requests (with the speaker registered before) go to replica 1, and the server stays up
+        async def stop_one_under_load() -> list[str]:
+            async with CosyVoiceClient(st.target) as client:
+                async def one(started: asyncio.Event) -> str:
+                    try:
+                        async for _ in client.synthesize(TEXT, stream=True, max_tokens=100, speaker_id="shared_voice",
+                                                         mode="zero_shot_by_spk_id"):
+                            started.set()
+                        return "OK"
+                    except grpc.aio.AioRpcError as e:
+                        return e.code().name
+                started = [asyncio.Event() for _ in range(4)]
+                streams = [asyncio.create_task(one(e)) for e in started]
+                await asyncio.gather(*(e.wait() for e in started))
+                await router.replicas[0].synth.close()
+                return await asyncio.gather(*streams)
+
+        assert sorted(st.call(stop_one_under_load(), timeout=600)) == ["OK", "OK", "UNAVAILABLE", "UNAVAILABLE"]
+        before = [r.served for r in router.replicas]
+        st.call(_speak(st.target, 2, mode="zero_shot_by_spk_id", speaker_id="shared_voice"), timeout=600)
+        assert [r.served - b for r, b in zip(router.replicas, before)] == [0, 2]
+        assert router.ready and all(r.active == 0 for r in router.replicas)
 
 
 def test_disaggregated_streams_spread_over_token2wav_workers(tiny_dir, tmp_path, golden_dir):
