@@ -53,8 +53,9 @@ def ray_cosyvoice(tiny_dir, redis_server):
         "model": {"dir": str(tiny_dir)},
         "speakers": {"backend": "redis", "redis_url": redis_server.url, "redis_prefix": f"ray-{uuid.uuid4().hex}"},
     }).model_dump_json()
-    model = CosyVoiceModel.options(autoscaling_config={"min_replicas": 2, "max_replicas": 2,
-                                                       "target_ongoing_requests": 2})
+    # at most 3 requests per replica: the 6 streams of the kill test land 3 and 3
+    model = CosyVoiceModel.options(max_ongoing_requests=3, autoscaling_config={
+        "min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 2})
     serve.run(CosyVoiceIngress.bind(model.bind(config), config), name="cosyvoice")
     yield f"127.0.0.1:{grpc_port}"
     serve.shutdown()
