@@ -5,9 +5,8 @@
                     interface); a replica that stops ends its requests with NotReady (retry) and
                     takes no new ones, the others carry on
     disaggregated   one Synthesizer whose LLM engine runs on the first device, with one token2wav
-                    worker (batcher + runner) per other device; each stream goes to the worker
-                    with the fewest live streams and stays there (`Token2WavPool`, the batcher's
-                    `submit`)
+                    worker (batcher + runner) per other device; each utterance goes to the worker
+                    with the fewest live streams and stays there (`Token2WavPool.pick`)
 
 `create_synthesizer(config)` is what a server calls; with one device it is `Synthesizer.create`.
 Speakers are one store shared by all replicas. `device_stats(synth)` reports the load per device.
@@ -169,43 +168,42 @@ class ReplicaRouter:
 # ---- disaggregated -----------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
-class _Worker:
-    batcher: Token2WavBatcher
-    device: str
-    streams: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # live streams it owns
-    served: int = 0
+class Token2WavWorker:
+    """One device's token2wav batcher, counting the streams it serves (`submit` is the
+    batcher's). A stream joins with its first job and leaves with its final one, or when it is
+    dropped (a cancelled request): the set holds weak references."""
+
+    def __init__(self, batcher: Token2WavBatcher, device: str):
+        self.batcher = batcher
+        self.device = device
+        self.runner = batcher.runner
+        self.streams: weakref.WeakSet[Token2WavStream] = weakref.WeakSet()
+        self.served = 0  # utterances assigned
+
+    async def submit(self, job: Token2WavJob, deadline: float) -> torch.Tensor:
+        self.streams.add(job.stream)
+        try:
+            return await self.batcher.submit(job, deadline)
+        finally:
+            if job.finalize:
+                self.streams.discard(job.stream)
 
 
 class Token2WavPool:
-    """Token2WavBatchers on several devices behind one `submit`. A stream's first job picks the
-    worker with the fewest live streams (ties: fewest served); its later jobs follow it there,
-    because the stream's caches live on that device. A stream leaves its worker with its final
-    job, or when it is dropped (a cancelled request), which is why the sets hold weak refs."""
+    """Token2WavBatchers on several devices in the Synthesizer's `batcher` slot. The Synthesizer
+    calls `pick()` once per utterance (a plain Token2WavBatcher returns itself) and sends all of
+    the utterance's jobs there, because its caches live on that device; `pick` returns the worker
+    with the fewest live streams (ties: the one given fewest utterances)."""
 
     def __init__(self, batchers: list[Token2WavBatcher], devices: list[str]):
         if not batchers or len(batchers) != len(devices):
             raise ValueError("one batcher per device")
-        self.workers = [_Worker(b, d) for b, d in zip(batchers, devices)]
-        self._owner: weakref.WeakKeyDictionary[Token2WavStream, _Worker] = weakref.WeakKeyDictionary()
+        self.workers = [Token2WavWorker(b, d) for b, d in zip(batchers, devices)]
 
-    def _worker_for(self, stream: Token2WavStream) -> _Worker:
-        worker = self._owner.get(stream)
-        if worker is None:
-            worker = min(self.workers, key=lambda w: (len(w.streams), w.served))
-            worker.streams.add(stream)
-            worker.served += 1
-            self._owner[stream] = worker
+    def pick(self) -> Token2WavWorker:
+        worker = min(self.workers, key=lambda w: (len(w.streams), w.served))
+        worker.served += 1
         return worker
-
-    async def submit(self, job: Token2WavJob, deadline: float) -> torch.Tensor:
-        worker = self._worker_for(job.stream)
-        try:
-            return await worker.batcher.submit(job, deadline)
-        finally:
-            if job.finalize:
-                worker.streams.discard(job.stream)
-                self._owner.pop(job.stream, None)
 
     def device_stats(self) -> list[DeviceStats]:
         return [DeviceStats(w.device, "token2wav", len(w.streams), w.served) for w in self.workers]

@@ -49,6 +49,10 @@ class Token2WavBatcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
+    def pick(self) -> "Token2WavBatcher":
+        """Where an utterance's jobs go: this batcher (placement.Token2WavPool picks a device)."""
+        return self
+
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor:
         """Run `job` (applying it to its stream) and return its samples (1-D float32, CPU).
         Cancelling the caller drops a job that has not started yet."""

@@ -385,11 +385,12 @@ class Synthesizer:
                                    samples_per_frame=self.dims.hift.samples_per_frame))
         tokens: list[int] = []
         pace = _Pace(started=time.monotonic())
+        batcher = self.batcher.pick()  # one device's token2wav for the whole utterance (placement)
 
         async def render(llm_done: bool) -> AsyncIterator[AudioChunk]:
             while (job := t2w.next_job(tokens, llm_done)) is not None:
                 submitted = time.monotonic()
-                samples = await self.batcher.submit(job, progress.deadline(self.sample_rate))
+                samples = await batcher.submit(job, progress.deadline(self.sample_rate))
                 now = time.monotonic()
                 pace.chunk_s = now - submitted
                 if progress.first_chunk_at is None:
