@@ -98,7 +98,7 @@ def cmd_synthesize(args) -> int:
 # -- speakers ----------------------------------------------------------------------------------
 
 def cmd_speakers(args) -> int:
-    from .speakers import SpeakerStore
+    from .speaker_store import open_speaker_store
 
     config = _config(args)
     if args.action == "add":
@@ -109,7 +109,7 @@ def cmd_speakers(args) -> int:
             record = synth.register_speaker(args.id, args.prompt_text, load_audio(args.prompt_wav), args.overwrite)
         print(f"registered {record.speaker_id}: {record.voice.n_tokens} prompt tokens")
         return 0
-    store = SpeakerStore(config.speakers.dir, cache_size=config.speakers.cache_size)
+    store = open_speaker_store(config.speakers)
     if args.action == "list":
         for info in store.infos():
             print(f"{info.speaker_id}\t{info.kind}\t{info.n_speech_tokens} tokens\t{info.prompt_text}")

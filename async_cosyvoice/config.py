@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ENV_PREFIX = "ASYNC_COSYVOICE__"
 
@@ -24,6 +24,16 @@ class ModelConfig(_Section):
     device: str = "cpu"
     llm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     flow_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # several devices in one server (async_cosyvoice.placement); empty: just `device`
+    devices: list[str] = []
+    placement: Literal["replicas", "disaggregated"] = "replicas"
+
+    @model_validator(mode="after")
+    def _disaggregated_needs_two(self) -> "ModelConfig":
+        if self.placement == "disaggregated" and len(self.devices) < 2:
+            raise ValueError("model.placement disaggregated needs model.devices with at least two entries "
+                             "(the LLM on the first, token2wav on the others)")
+        return self
 
 
 class EngineConfig(_Section):
@@ -70,8 +80,17 @@ class Token2WavConfig(_Section):
 
 
 class SpeakerConfig(_Section):
+    backend: Literal["directory", "redis"] = "directory"  # redis: shared by every replica
     dir: Path = Path("spk2info")
     cache_size: int = Field(256, ge=1)
+    redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0 (backend redis)
+    redis_prefix: str = Field("async_cosyvoice:speakers", min_length=1)
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> "SpeakerConfig":
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("speakers.backend redis needs speakers.redis_url (e.g. redis://127.0.0.1:6379/0)")
+        return self
 
 
 class LimitsConfig(_Section):

@@ -13,6 +13,7 @@ by `frontend.spk2info` and converted to records here.
 """
 from __future__ import annotations
 
+import abc
 import base64
 import binascii
 import contextlib
@@ -220,7 +221,99 @@ def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-class SpeakerStore:
+class SpeakerStoreBase(abc.ABC):
+    """The speaker store interface, and what every backend does the same way: listing pages,
+    membership, spk2info import and export. A backend (this folder's `SpeakerStore`,
+    `speaker_redis.RedisSpeakerStore`) implements get / put / exists / delete / infos, each
+    validating ids with `validate_speaker_id`; `speaker_store.open_speaker_store` picks one.
+
+    All methods are blocking; call them from a worker thread in async code.
+    """
+
+    @abc.abstractmethod
+    def get(self, speaker_id: str) -> SpeakerRecord:
+        """The record, or SpeakerNotFound."""
+
+    @abc.abstractmethod
+    def put(self, record: SpeakerRecord, overwrite: bool = False) -> None:
+        """Store atomically. An existing id raises SpeakerExists unless `overwrite`."""
+
+    @abc.abstractmethod
+    def exists(self, speaker_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete(self, speaker_id: str) -> None:
+        """Remove, or SpeakerNotFound."""
+
+    @abc.abstractmethod
+    def infos(self) -> list[SpeakerInfo]:
+        """Every speaker without its arrays, sorted by id."""
+
+    def __contains__(self, speaker_id: object) -> bool:
+        try:
+            return self.exists(speaker_id)  # type: ignore[arg-type]
+        except InvalidRequest:
+            return False
+
+    def ids(self) -> list[str]:
+        return [i.speaker_id for i in self.infos()]
+
+    def __len__(self) -> int:
+        return len(self.infos())
+
+    def list(self, page_size: int = 0, page_token: str = "") -> SpeakerPage:
+        """One page of speakers sorted by id. page_size 0 means DEFAULT_PAGE_SIZE; sizes above
+        MAX_PAGE_SIZE are clamped. Pass the returned next_page_token to get the next page."""
+        if page_size < 0:
+            raise InvalidRequest(f"page_size must be >= 0, got {page_size}")
+        page_size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = decode_page_token(page_token) if page_token else None
+        infos = self.infos()
+        if after is not None:
+            infos = [i for i in infos if i.speaker_id > after]
+        page = infos[:page_size]
+        next_token = encode_page_token(page[-1].speaker_id) if len(infos) > page_size else ""
+        return SpeakerPage(page, next_token)
+
+    # ---- upstream spk2info.pt ----
+
+    def import_spk2info(self, path: str | os.PathLike, overwrite: bool = False,
+                        rename: Mapping[str, str] | None = None,
+                        tokenize: Callable[[str], Sequence[int]] | None = None) -> list[str]:
+        """Import every entry of an upstream (or peer-layout) `spk2info.pt`.
+
+        Entry keys become speaker ids, through `rename` where given. Peer entries that store the
+        prompt transcript only as text need `tokenize` (the model's text tokenizer). All ids are
+        validated and checked for existence before anything is written. Returns the imported ids.
+        """
+        rename = dict(rename or {})
+        records = []
+        for key, voice in load_spk2info(path, tokenize).items():
+            new_id = rename.get(key, key)
+            try:
+                validate_speaker_id(new_id)
+            except InvalidRequest as e:
+                raise InvalidRequest(f"{path}: entry {key!r} cannot be imported: {e}; "
+                                     "map it to a valid id with rename") from None
+            records.append(SpeakerRecord(new_id, voice))
+        if not overwrite:
+            existing = [r.speaker_id for r in records if self.exists(r.speaker_id)]
+            if existing:
+                raise SpeakerExists(f"speakers already exist: {', '.join(sorted(existing))}; "
+                                    "pass overwrite to replace them")
+        for rec in records:
+            self.put(rec, overwrite=overwrite)
+        return [r.speaker_id for r in records]
+
+    def export_spk2info(self, path: str | os.PathLike, speaker_ids: Iterable[str] | None = None) -> list[str]:
+        """Write speakers (all by default) as an upstream-loadable `spk2info.pt` (keys = speaker
+        ids). Returns the exported ids."""
+        ids = self.ids() if speaker_ids is None else [validate_speaker_id(i) for i in speaker_ids]
+        save_spk2info({i: self.get(i).voice for i in ids}, path)
+        return ids
+
+
+class SpeakerStore(SpeakerStoreBase):
     """Thread- and process-safe speaker registry on a folder, with a bounded LRU cache.
 
     All methods are blocking (file I/O); call them from a worker thread in async code.
@@ -351,12 +444,6 @@ class SpeakerStore:
         validate_speaker_id(speaker_id)
         return self._path(speaker_id).exists()
 
-    def __contains__(self, speaker_id: object) -> bool:
-        try:
-            return self.exists(speaker_id)  # type: ignore[arg-type]
-        except InvalidRequest:
-            return False
-
     def delete(self, speaker_id: str) -> None:
         validate_speaker_id(speaker_id)
         path = self._path(speaker_id)
@@ -398,60 +485,3 @@ class SpeakerStore:
             self._index = seen
         return sorted((info for _, info in seen.values() if info is not None),
                       key=lambda i: i.speaker_id)
-
-    def ids(self) -> list[str]:
-        return [i.speaker_id for i in self.infos()]
-
-    def __len__(self) -> int:
-        return len(self.infos())
-
-    def list(self, page_size: int = 0, page_token: str = "") -> SpeakerPage:
-        """One page of speakers sorted by id. page_size 0 means DEFAULT_PAGE_SIZE; sizes above
-        MAX_PAGE_SIZE are clamped. Pass the returned next_page_token to get the next page."""
-        if page_size < 0:
-            raise InvalidRequest(f"page_size must be >= 0, got {page_size}")
-        page_size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        after = decode_page_token(page_token) if page_token else None
-        infos = self.infos()
-        if after is not None:
-            infos = [i for i in infos if i.speaker_id > after]
-        page = infos[:page_size]
-        next_token = encode_page_token(page[-1].speaker_id) if len(infos) > page_size else ""
-        return SpeakerPage(page, next_token)
-
-    # ---- upstream spk2info.pt ----
-
-    def import_spk2info(self, path: str | os.PathLike, overwrite: bool = False,
-                        rename: Mapping[str, str] | None = None,
-                        tokenize: Callable[[str], Sequence[int]] | None = None) -> list[str]:
-        """Import every entry of an upstream (or peer-layout) `spk2info.pt`.
-
-        Entry keys become speaker ids, through `rename` where given. Peer entries that store the
-        prompt transcript only as text need `tokenize` (the model's text tokenizer). All ids are
-        validated and checked for existence before anything is written. Returns the imported ids.
-        """
-        rename = dict(rename or {})
-        records = []
-        for key, voice in load_spk2info(path, tokenize).items():
-            new_id = rename.get(key, key)
-            try:
-                validate_speaker_id(new_id)
-            except InvalidRequest as e:
-                raise InvalidRequest(f"{path}: entry {key!r} cannot be imported: {e}; "
-                                     "map it to a valid id with rename") from None
-            records.append(SpeakerRecord(new_id, voice))
-        if not overwrite:
-            existing = [r.speaker_id for r in records if self.exists(r.speaker_id)]
-            if existing:
-                raise SpeakerExists(f"speakers already exist: {', '.join(sorted(existing))}; "
-                                    "pass overwrite to replace them")
-        for rec in records:
-            self.put(rec, overwrite=overwrite)
-        return [r.speaker_id for r in records]
-
-    def export_spk2info(self, path: str | os.PathLike, speaker_ids: Iterable[str] | None = None) -> list[str]:
-        """Write speakers (all by default) as an upstream-loadable `spk2info.pt` (keys = speaker
-        ids). Returns the exported ids."""
-        ids = self.ids() if speaker_ids is None else [validate_speaker_id(i) for i in speaker_ids]
-        save_spk2info({i: self.get(i).voice for i in ids}, path)
-        return ids

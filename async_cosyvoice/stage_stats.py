@@ -46,6 +46,18 @@ class StageStats:
                 "failed": self.failed - b.failed}
 
 
+def totals(stats: "list[StageStats]") -> "list[StageStats]":
+    """One StageStats per stage name, summed (several devices or replicas run the same stage)."""
+    out: dict[str, StageStats] = {}
+    for st in stats:
+        total = out.setdefault(st.name, StageStats(st.name))
+        total.calls += st.calls
+        total.items += st.items
+        total.busy_s += st.busy_s
+        total.failed += st.failed
+    return list(out.values())
+
+
 def timed_call(fn: Callable[..., T], *args) -> tuple[T | BaseException, float, bool]:
     """Run `fn(*args)` (in a stage's device thread); returns (result or the exception raised,
     seconds, ok). The caller records the time and re-raises."""

@@ -96,11 +96,19 @@ class Token2WavBatcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav")
         self._first: list[_Pending] = []  # heaps by (deadline, seq)
         self._rest: list[_Pending] = []
+        self._running: list[_Pending] = []  # the batch on the device now
         self._seq = itertools.count()
         self._started = 0  # batches taken so far
         self._last_lane = MAIN_LANE
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+
+    def stage_stats_list(self) -> list[StageStats]:
+        return [self.stage_stats]
+
+    def pick(self) -> "Token2WavBatcher":
+        """Where an utterance's jobs go: this batcher (placement.Token2WavPool picks a device)."""
+        return self
 
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor:
         """Run `job` (applying it to its stream) and return its samples (1-D float32, CPU).
@@ -178,6 +186,7 @@ class Token2WavBatcher:
                 started = time.monotonic()
                 left = self.pending
                 jobs = [p.job for p in batch]
+                self._running = batch  # close() must not leave these callers waiting
                 for job in jobs:
                     job.timing.started = started
                 outs, seconds, ok = await loop.run_in_executor(self._executor, timed_call,
@@ -215,9 +224,10 @@ class Token2WavBatcher:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for p in itertools.chain(self._first, self._rest):
+        for p in itertools.chain(self._first, self._rest, self._running):
             if not p.future.done():
                 p.future.cancel()
         self._first.clear()
         self._rest.clear()
+        self._running = []
         self._executor.shutdown(wait=True)

@@ -38,7 +38,9 @@ from .models.dims import RASParams
 from .models.hift import NSFNoise
 from .request import FLUSH, Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest, Voice
 from .rules import ENDOFPROMPT, RequestRules
-from .speakers import SpeakerRecord, SpeakerStore, validate_speaker_id
+from .speaker_store import open_speaker_store
+from .stage_stats import StageStats, totals
+from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 from .token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
 from .utterance import Playback, Utterance
@@ -49,6 +51,16 @@ TextMode = Literal["sentence", "bistream"]
 MAX_STREAM_SENTENCE_CHARS = 200  # a streamed text without sentence ends is cut at about this length
 
 
+def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> Token2WavBatcher:
+    """The token2wav stage of one device from the config: estimator, runner (flow cache), batcher."""
+    t2w = config.token2wav
+    estimator = estimator_from_config(t2w, models.flow, flow_pt=model_dir.path / "flow.pt")
+    runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
+                             flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
+                             max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final)
+    return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching)
+
+
 class Synthesizer:
     """One instance per process and device. The text frontend and ONNX prompt work run in a CPU
     thread pool, the LM in the engine, flow + HiFT in the token2wav batcher's device thread; the
@@ -56,7 +68,7 @@ class Synthesizer:
     request and drops its pending chunk jobs."""
 
     def __init__(self, *, config: Config, model_dir: ModelDir, models: Models, tokenizer: TextTokenizer,
-                 text_frontend: TextFrontend, prompt_encoder: PromptEncoder, speakers: SpeakerStore,
+                 text_frontend: TextFrontend, prompt_encoder: PromptEncoder, speakers: SpeakerStoreBase,
                  engine: SpeechTokenEngine, batcher: Token2WavBatcher):
         self.config = config
         self.rules = RequestRules.from_config(config)
@@ -102,14 +114,9 @@ class Synthesizer:
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
-        speakers = SpeakerStore(config.speakers.dir, cache_size=config.speakers.cache_size)
+        speakers = open_speaker_store(config.speakers)
         engine = create_engine(config, models.llm, model_dir)
-        estimator = estimator_from_config(config.token2wav, models.flow, flow_pt=model_dir.path / "flow.pt")
-        t2w = config.token2wav
-        runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
-                                 flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
-                                 max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final)
-        batcher = Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching)
+        batcher = token2wav_batcher(config, models, model_dir)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
                    text_frontend=text_frontend, prompt_encoder=prompt_encoder, speakers=speakers,
                    engine=engine, batcher=batcher)
@@ -132,6 +139,11 @@ class Synthesizer:
 
     def engine_stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def stage_stats(self) -> list[StageStats]:
+        """The device stages' own busy-time counters (the engine's steps, token2wav batches)."""
+        stats = [self.engine.stage_stats] if self.engine.stage_stats is not None else []
+        return totals(stats + self.batcher.stage_stats_list())
 
     @property
     def supports_bistream(self) -> bool:
@@ -185,7 +197,7 @@ class Synthesizer:
         playback = Playback(time.monotonic(), self.sample_rate)
         for i, model_input in enumerate(inputs):
             utterance = self._utterance(request, model_input, i, playback, last=i == len(inputs) - 1)
-            async for chunk in utterance.run(self.batcher):
+            async for chunk in utterance.run():
                 yield chunk
 
     async def model_inputs(self, request: SynthesisRequest, voice: Voice) -> list[ModelInput]:
@@ -228,7 +240,7 @@ class Synthesizer:
             model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
             utterance = self._utterance(request, model_input, 0, playback, last=True,
                                         text_tokens=self._piece_tokens(pieces))
-            async for chunk in utterance.run(self.batcher):
+            async for chunk in utterance.run():
                 yield chunk
             return
         sentences: asyncio.Queue = asyncio.Queue()
@@ -242,7 +254,7 @@ class Synthesizer:
                 for tokens in segments:
                     model_input = build_model_input(request.mode, voice, text_tokens=tokens,
                                                     instruction_tokens=instruction)
-                    async for chunk in self._utterance(request, model_input, n, playback, last=False).run(self.batcher):
+                    async for chunk in self._utterance(request, model_input, n, playback, last=False).run():
                         yield chunk
                     n += 1
             if n == 0:
@@ -312,12 +324,13 @@ class Synthesizer:
                    *, last: bool, text_tokens: AsyncIterator[list[int]] | None = None) -> Utterance:
         """text_tokens: a bistream utterance's target text, as it arrives (None: the model input's)."""
         opts = request.options
+        batcher = self.batcher.pick()  # one device's token2wav for the whole utterance (placement)
         t2w = Token2WavStream(
             torch.tensor(model_input.flow_prompt_speech_token).reshape(1, -1),
             torch.tensor(model_input.prompt_speech_feat)[None],
             torch.tensor(model_input.flow_embedding).reshape(1, -1),
             stream=opts.stream, speed=opts.speed, noise=self._noise(opts.seed, segment),
-            device=self.batcher.runner.device,
+            device=batcher.runner.device,
             prompt_key=request.speaker_id if MODE_SPECS[request.mode].voice == "speaker" else None,
             schedule=ChunkSchedule(first_hop=opts.first_hop, max_hop_multiple=self.config.token2wav.max_hop_multiple,
                                    prompt_align=1, pre_lookahead=self.dims.flow.pre_lookahead_len,
@@ -325,13 +338,13 @@ class Synthesizer:
                                    samples_per_frame=self.dims.hift.samples_per_frame))
         adaptive = self.config.token2wav.adaptive
         if not model_input.spec.runs_lm:
-            return Utterance(segment, t2w, playback, last=last, adaptive=adaptive,
+            return Utterance(segment, t2w, batcher, playback, last=last, adaptive=adaptive,
                              source_tokens=model_input.source_speech_token)
         if text_tokens is not None:
             speech = self.engine.generate_bistream(self._bistream_request(request, model_input), text_tokens)
         else:
             speech = self.engine.generate(self._generation_request(request, model_input, segment))
-        return Utterance(segment, t2w, playback, last=last, adaptive=adaptive, speech=speech)
+        return Utterance(segment, t2w, batcher, playback, last=last, adaptive=adaptive, speech=speech)
 
     def _bistream_request(self, request: SynthesisRequest, model_input: ModelInput) -> BistreamRequest:
         opts = request.options

@@ -14,13 +14,18 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import numpy as np
+from torch import Tensor
 
 from .request import AudioChunk, Timeline
-from .token2wav import Token2WavStream
-from .token2wav_batcher import Token2WavBatcher
+from .token2wav import Token2WavJob, Token2WavStream
+
+
+class Token2WavSink(Protocol):
+    """A token2wav batcher (or one device's worker of a pool)."""
+    async def submit(self, job: Token2WavJob, deadline: float) -> Tensor: ...
 
 
 @dataclass
@@ -57,12 +62,14 @@ class Playback:
 
 
 class Utterance:
-    def __init__(self, segment: int, t2w: Token2WavStream, playback: Playback, *, last: bool, adaptive: bool,
-                 speech: AsyncIterator[list[int]] | None = None, source_tokens=None):
-        """speech: the engine's token batches for this segment (None: `source_tokens` are given, VC).
-        last: this is the request's last segment, so its last chunk is final."""
+    def __init__(self, segment: int, t2w: Token2WavStream, batcher: Token2WavSink, playback: Playback, *,
+                 last: bool, adaptive: bool, speech: AsyncIterator[list[int]] | None = None, source_tokens=None):
+        """batcher: where this segment's token2wav jobs run (its stream's caches live on that
+        device). speech: the engine's token batches for this segment (None: `source_tokens` are
+        given, VC). last: this is the request's last segment, so its last chunk is final."""
         self.segment = segment
         self.t2w = t2w
+        self.batcher = batcher
         self.playback = playback
         self.last = last
         self.adaptive = adaptive
@@ -70,7 +77,7 @@ class Utterance:
         self.source_tokens = source_tokens
         self.timeline = Timeline(submitted=time.monotonic())
 
-    async def run(self, batcher: Token2WavBatcher) -> AsyncIterator[AudioChunk]:
+    async def run(self) -> AsyncIterator[AudioChunk]:
         """Chunks as they are rendered. Closing this iterator closes the engine's token stream
         (aborting the LM request) and drops this segment's pending token2wav job."""
         if self.speech is not None:
@@ -79,19 +86,19 @@ class Utterance:
                     if not self.timeline.first_token:
                         self.timeline.first_token = time.monotonic()
                     self.t2w.append(batch)
-                    async for chunk in self._render(batcher, llm_done=False):
+                    async for chunk in self._render(llm_done=False):
                         yield chunk
         else:
             self.t2w.append(self.source_tokens)
-        async for chunk in self._render(batcher, llm_done=True):
+        async for chunk in self._render(llm_done=True):
             yield chunk
 
-    async def _render(self, batcher: Token2WavBatcher, llm_done: bool) -> AsyncIterator[AudioChunk]:
+    async def _render(self, llm_done: bool) -> AsyncIterator[AudioChunk]:
         t2w, playback, timeline = self.t2w, self.playback, self.timeline
         while (job := t2w.next_job(llm_done)) is not None:
             timing = job.timing
             timing.queued = time.monotonic()
-            samples = await batcher.submit(job, playback.deadline())
+            samples = await self.batcher.submit(job, playback.deadline())
             now = timing.done = time.monotonic()
             timing.n_samples = len(samples)
             timeline.chunks.append(timing)

@@ -29,9 +29,11 @@ from grpc_reflection.v1alpha import reflection
 from async_cosyvoice.config import Config
 
 from async_cosyvoice.loop_thread import LoopThread
+from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.tts import Synthesizer
 
 from ._stubs import SERVICE_NAME
+from .device_metrics import DeviceCollector
 from .auth import BearerAuthInterceptor, server_credentials
 from .metrics import Metrics
 from .servicer import CosyVoiceServicer, pb2_grpc
@@ -140,10 +142,11 @@ class CosyVoiceServer:
             if self._factory is not None:
                 synth = await self._factory(self.config)
             else:
-                synth = await Synthesizer.create(self.config)
+                synth = await create_synthesizer(self.config)  # one device, or several (model.devices)
         self.servicer.synth = synth
         self.metrics.bind_engine(synth.engine_stats)
-        self.metrics.bind_stages(lambda: [s for s in (synth.engine.stage_stats, synth.batcher.stage_stats) if s is not None])
+        self.metrics.bind_stages(synth.stage_stats)
+        self.metrics.registry.register(DeviceCollector(synth))
         if self.servicer.closing:
             return
         self.metrics.ready.set(1)

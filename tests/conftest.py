@@ -72,3 +72,80 @@ def next_job_upto(stream, tokens, llm_done):
     tokens = torch.as_tensor(tokens).reshape(-1)
     stream.append(tokens[stream.n_tokens:])
     return stream.next_job(llm_done)
+
+
+# ---- a real redis-server on 127.0.0.1 (speaker store tests, Ray Serve tests) -------------------
+
+class RedisServer:
+    """`redis-server` on a free port with its files in `directory`; `appendfsync always` so an
+    acknowledged write is on disk before the reply. `kill()` is SIGKILL; `start()` again reuses
+    the directory (and port), as a supervisor restarting it would."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> "RedisServer":
+        import shutil
+        import subprocess
+        import threading
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed: apt-get install -y redis-server (.ci/run does)")
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in self.proc.stdout:  # blocks until redis says it is ready (or exits)
+            lines.append(line)
+            if "Ready to accept connections" in line:
+                break
+        else:
+            pytest.fail("redis-server did not start:\n" + "".join(lines))
+        # keep draining its log so a full pipe never blocks it
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+        return self
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_redis_server(tmp_path):
+    """Starts private redis-servers (to kill and restart); all are stopped after the test."""
+    servers = []
+
+    def make() -> RedisServer:
+        server = RedisServer(tmp_path / f"redis-{len(servers)}").start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()

@@ -1,4 +1,6 @@
-"""SpeakerStore: records, persistence, ids, pagination, concurrency, crash safety, spk2info.pt."""
+"""Speaker stores: records, persistence, ids, pagination, concurrency, crash safety, spk2info.pt.
+
+Tests taking `open_store` run against both backends (the folder and a real redis-server)."""
 from __future__ import annotations
 
 import os
@@ -7,17 +9,35 @@ import subprocess
 import sys
 import textwrap
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from async_cosyvoice.config import SpeakerConfig
 from async_cosyvoice.errors import InvalidRequest, SpeakerExists, SpeakerNotFound
 from async_cosyvoice.request import Voice
+from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.speakers import (MAX_ID_LENGTH, SpeakerRecord, SpeakerStore, speaker_file_name,
                                       validate_speaker_id)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=["directory", "redis"])
+def store_config(request, tmp_path) -> SpeakerConfig:
+    """One empty store per test: a folder, or a fresh key prefix on the session's redis-server."""
+    if request.param == "directory":
+        return SpeakerConfig(dir=tmp_path / "store")
+    server = request.getfixturevalue("redis_server")
+    return SpeakerConfig(backend="redis", redis_url=server.url, redis_prefix=f"test-{uuid.uuid4().hex}")
+
+
+@pytest.fixture
+def open_store(store_config):
+    """Opens another handle on the test's store (as another replica would)."""
+    return lambda: open_speaker_store(store_config)
 
 
 def make_record(speaker_id: str, n_tokens: int = 12, value: float = 0.5, text: str = "hello") -> SpeakerRecord:
@@ -29,11 +49,11 @@ def make_record(speaker_id: str, n_tokens: int = 12, value: float = 0.5, text: s
         embedding=np.full(192, value, np.float32)))
 
 
-def test_round_trip(tmp_path):
-    store = SpeakerStore(tmp_path)
+def test_round_trip(open_store):
+    store = open_store()
     rec = make_record("alice", text="The morning train.")
     store.put(rec)
-    again = SpeakerStore(tmp_path).get("alice")  # a fresh store reads it from disk
+    again = open_store().get("alice")  # a fresh handle reads it back
     assert again.same_data(rec)
     assert again.created_at == pytest.approx(rec.created_at)
     for name, dtype in (("prompt_text_tokens", np.int32), ("speech_tokens", np.int32),
@@ -46,8 +66,8 @@ def test_round_trip(tmp_path):
     assert "alice" in store and "bob" not in store and "../x" not in store
 
 
-def test_sft_record_round_trip(tmp_path):
-    store = SpeakerStore(tmp_path)
+def test_sft_record_round_trip(open_store):
+    store = open_store()
     store.put(SpeakerRecord.sft("narrator", np.arange(192, dtype=np.float32)))
     rec = store.get("narrator")
     assert rec.kind == "sft" and rec.voice.n_tokens == 0 and rec.voice.speech_feat.shape == (0, 80)
@@ -69,8 +89,8 @@ def test_record_validation():
         SpeakerRecord("../x", Voice.embedding_only(np.zeros(192)))
 
 
-def test_overwrite_rules(tmp_path):
-    store = SpeakerStore(tmp_path)
+def test_overwrite_rules(open_store):
+    store = open_store()
     store.put(make_record("alice", value=0.1))
     with pytest.raises(SpeakerExists, match="'alice' already exists"):
         store.put(make_record("alice", value=0.2))
@@ -97,8 +117,8 @@ def test_overwrite_rules(tmp_path):
     ("名字", "contains"),
     ("a\x00b", "contains"),
 ])
-def test_bad_ids(tmp_path, bad, message):
-    store = SpeakerStore(tmp_path)
+def test_bad_ids(open_store, bad, message):
+    store = open_store()
     with pytest.raises(InvalidRequest, match=message):
         validate_speaker_id(bad)
     with pytest.raises(InvalidRequest, match=message):
@@ -107,7 +127,7 @@ def test_bad_ids(tmp_path, bad, message):
         store.delete(bad)
     with pytest.raises(InvalidRequest, match=message):
         make_record(bad)
-    assert sorted(os.listdir(tmp_path)) == [".lock"]
+    assert store.ids() == []
 
 
 def test_good_ids_and_file_names(tmp_path):
@@ -121,8 +141,8 @@ def test_good_ids_and_file_names(tmp_path):
     assert store.ids() == sorted(ids)
 
 
-def test_pagination(tmp_path):
-    store = SpeakerStore(tmp_path)
+def test_pagination(open_store):
+    store = open_store()
     ids = [f"spk{i:02d}" for i in range(25)]
     for i in reversed(ids):
         store.put(SpeakerRecord.sft(i, np.ones(192)))
@@ -162,8 +182,8 @@ def test_lru_cache_is_bounded_and_sees_other_writers(tmp_path):
         store.get("s2")
 
 
-def test_concurrent_registrations_threads(tmp_path):
-    store = SpeakerStore(tmp_path)
+def test_concurrent_registrations_threads(open_store):
+    store = open_store()
     barrier = threading.Barrier(16)
     outcomes: list[str] = []
     lock = threading.Lock()
@@ -189,11 +209,10 @@ def test_concurrent_registrations_threads(tmp_path):
     k = int(winners[0][3:])
     assert store.get("shared").voice.embedding[0] == np.float32(k)
     assert store.ids() == sorted(["shared"] + [f"own{k}" for k in range(16)])
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
 
 
-def test_overwrites_never_tear_reads(tmp_path):
-    store = SpeakerStore(tmp_path, cache_size=1)
+def test_overwrites_never_tear_reads(open_store):
+    store = open_store()
     store.put(make_record("v", n_tokens=400, value=0.0))
     stop = threading.Event()
     errors = []
@@ -201,11 +220,11 @@ def test_overwrites_never_tear_reads(tmp_path):
     def writer(k):
         i = 0
         while not stop.is_set():
-            SpeakerStore(tmp_path).put(make_record("v", n_tokens=400, value=float(k * 1000 + i)), overwrite=True)
+            open_store().put(make_record("v", n_tokens=400, value=float(k * 1000 + i)), overwrite=True)
             i += 1
 
     def reader():
-        reader_store = SpeakerStore(tmp_path, cache_size=1)
+        reader_store = open_store()
         for _ in range(200):
             rec = reader_store.get("v")
             value = rec.voice.embedding[0]
@@ -228,8 +247,10 @@ _PROCESS_WRITER = textwrap.dedent("""
     import sys
     import numpy as np
     from async_cosyvoice.errors import SpeakerExists
-    from async_cosyvoice.speakers import SpeakerRecord, SpeakerStore
-    store, k = SpeakerStore(sys.argv[1]), int(sys.argv[2])
+    from async_cosyvoice.config import SpeakerConfig
+    from async_cosyvoice.speaker_store import open_speaker_store
+    from async_cosyvoice.speakers import SpeakerRecord
+    store, k = open_speaker_store(SpeakerConfig.model_validate_json(sys.argv[1])), int(sys.argv[2])
     for i in range(5):
         store.put(SpeakerRecord.sft(f"p{k}-{i}", np.full(192, k, np.float32)))
     try:
@@ -240,13 +261,13 @@ _PROCESS_WRITER = textwrap.dedent("""
 """)
 
 
-def test_concurrent_registrations_processes(tmp_path):
-    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS_WRITER, str(tmp_path), str(k)],
+def test_concurrent_registrations_processes(store_config, open_store):
+    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS_WRITER, store_config.model_dump_json(), str(k)],
                               stdout=subprocess.PIPE, text=True, cwd=REPO) for k in range(4)]
     results = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sorted(results) == ["exists", "exists", "exists", "won"]
-    store = SpeakerStore(tmp_path)
+    store = open_store()
     assert len(store) == 21
     assert store.get("shared").voice.embedding[0] == np.float32(results.index("won"))
 
@@ -319,13 +340,13 @@ def test_corrupt_file_is_skipped_in_listing(tmp_path):
 # ---- upstream spk2info.pt --------------------------------------------------------------------
 
 
-def test_import_fixture_spk2info_matches_golden(tmp_path, tiny_dir, golden_dir):
-    store = SpeakerStore(tmp_path / "store")
+def test_import_fixture_spk2info_matches_golden(open_store, tiny_dir, golden_dir):
+    store = open_store()
     imported = store.import_spk2info(tiny_dir / "spk2info.pt")
     assert sorted(imported) == ["tiny_sft_spk", "tiny_zs_spk"]
     golden = np.load(golden_dir / "model_inputs.npz")
 
-    zs = SpeakerStore(tmp_path / "store").get("tiny_zs_spk")
+    zs = open_store().get("tiny_zs_spk")
     assert zs.kind == "zero_shot"
     np.testing.assert_array_equal(zs.voice.prompt_text_tokens, golden["zero_shot_spk/prompt_text"][0])
     np.testing.assert_array_equal(zs.voice.speech_tokens, golden["zero_shot_spk/llm_prompt_speech_token"][0])
@@ -347,10 +368,10 @@ def test_import_fixture_spk2info_matches_golden(tmp_path, tiny_dir, golden_dir):
     assert store.get("copy").same_data(zs.replace_id("copy"))
 
 
-def test_export_round_trips_to_upstream_layout(tmp_path, tiny_dir):
+def test_export_round_trips_to_upstream_layout(open_store, tmp_path, tiny_dir):
     import torch
 
-    store = SpeakerStore(tmp_path / "store")
+    store = open_store()
     store.import_spk2info(tiny_dir / "spk2info.pt")
     out = tmp_path / "exported.pt"
     assert sorted(store.export_spk2info(out)) == ["tiny_sft_spk", "tiny_zs_spk"]
@@ -363,12 +384,12 @@ def test_export_round_trips_to_upstream_layout(tmp_path, tiny_dir):
             assert torch.equal(exported[spk][key].to(value.dtype), value), (spk, key)
 
 
-def test_import_rejects_invalid_ids(tmp_path):
+def test_import_rejects_invalid_ids(open_store, tmp_path):
     import torch
 
     bad = tmp_path / "bad.pt"
     torch.save({"中文女": {"embedding": torch.zeros(1, 192)}}, bad)
-    store = SpeakerStore(tmp_path / "store")
+    store = open_store()
     with pytest.raises(InvalidRequest, match="rename"):
         store.import_spk2info(bad)
     assert store.ids() == []

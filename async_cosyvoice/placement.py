@@ -1,0 +1,256 @@
+"""Several devices behind one synthesizer: `model.devices` with `model.placement`.
+
+    replicas        a whole Synthesizer per device; each request goes to the running replica
+                    with the fewest active requests (`ReplicaRouter`, the Synthesizer's public
+                    interface); a replica that stops ends its requests with NotReady (retry) and
+                    takes no new ones, the others carry on
+    disaggregated   one Synthesizer whose LLM engine runs on the first device, with one token2wav
+                    worker (batcher + runner) per other device; each utterance goes to the worker
+                    with the fewest live streams and stays there (`Token2WavPool.pick`)
+
+`create_synthesizer(config)` is what a server calls; with one device it is `Synthesizer.create`.
+Speakers are one store shared by all replicas. `device_stats(synth)` reports the load per device.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
+
+import torch
+
+from .config import Config
+from .engine.base import EngineStats
+from .errors import NotReady
+from .model_dir import ModelDir, build_models
+from .token2wav import Token2WavJob, Token2WavStream
+from .token2wav_batcher import Token2WavBatcher
+from .request import Audio, AudioChunk, SynthesisRequest
+from .stage_stats import StageStats, totals
+from .tts import Synthesizer, token2wav_batcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeviceStats:
+    """One device's share of the work (`role`: replica, llm or token2wav)."""
+    device: str
+    role: str
+    active: int = 0          # requests (replica) or streams (token2wav worker) in progress
+    served: int = 0          # requests / streams assigned so far
+    engine: EngineStats | None = None  # replicas and the llm device: their engine's stats
+
+
+def devices_of(config: Config) -> list[str]:
+    return list(config.model.devices) or [config.model.device]
+
+
+def on_device(config: Config, device: str) -> Config:
+    """The config of one device's part (a single-device config)."""
+    return config.model_copy(update={"model": config.model.model_copy(update={"device": device, "devices": []})})
+
+
+async def create_synthesizer(config: Config, warmup: bool = True) -> "Synthesizer | ReplicaRouter":
+    devices = devices_of(config)
+    if len(devices) == 1:
+        return await Synthesizer.create(on_device(config, devices[0]), warmup=warmup)
+    if config.model.placement == "replicas":
+        return await ReplicaRouter.create(config, warmup=warmup)
+    return await create_disaggregated(config, warmup=warmup)
+
+
+# ---- replicas ----------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Replica:
+    synth: Synthesizer
+    device: str
+    active: int = 0
+    served: int = 0
+
+
+class ReplicaRouter:
+    """N Synthesizers (one per device) behind the Synthesizer's public interface. A request goes
+    to the replica with the fewest active requests (ties: the one that has served fewest), and
+    stays there until its last chunk."""
+
+    def __init__(self, replicas: list[Synthesizer], devices: list[str]):
+        if not replicas or len(replicas) != len(devices):
+            raise ValueError("one Synthesizer per device")
+        shared = replicas[0].speakers
+        for synth in replicas[1:]:  # one store: a speaker registered anywhere is seen everywhere
+            synth.speakers = shared
+        self.replicas = [_Replica(s, d) for s, d in zip(replicas, devices)]
+        first = replicas[0]
+        self.config = first.config
+        self.model_dir = first.model_dir
+        self.dims = first.dims
+        self.sample_rate = first.sample_rate
+        self.speakers = shared
+
+    @classmethod
+    async def create(cls, config: Config, warmup: bool = True) -> "ReplicaRouter":
+        devices = devices_of(config)
+        synths = await asyncio.gather(*(Synthesizer.create(on_device(config, d), warmup=warmup) for d in devices),
+                                      return_exceptions=True)
+        failed = [s for s in synths if isinstance(s, BaseException)]
+        if failed:
+            for s in synths:
+                if isinstance(s, Synthesizer):
+                    await s.close()
+            raise failed[0]
+        log.info("replicas on %s", ", ".join(devices))
+        return cls(list(synths), devices)
+
+    @property
+    def ready(self) -> bool:
+        """Serving while any replica is (a stopped one takes no new requests)."""
+        return any(r.synth.ready for r in self.replicas)
+
+    def _pick(self) -> _Replica:
+        live = [r for r in self.replicas if r.synth.ready]
+        if not live:
+            raise NotReady("no device replica is running; retry on another instance")
+        return min(live, key=lambda r: (r.active, r.served))
+
+    @contextlib.contextmanager
+    def _assigned(self) -> Iterator[_Replica]:
+        replica = self._pick()
+        replica.active += 1
+        replica.served += 1
+        try:
+            yield replica
+        finally:
+            replica.active -= 1
+
+    async def _route(self, method: str, *args, **kwargs) -> AsyncIterator[AudioChunk]:
+        with self._assigned() as replica:
+            try:
+                async with contextlib.aclosing(getattr(replica.synth, method)(*args, **kwargs)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+            except (Exception, asyncio.CancelledError) as e:
+                # a replica stopped under the request (its engine ends requests with NotReady, its
+                # batcher cancels pending chunk jobs): retryable, unless our caller cancelled us
+                if replica.synth.ready or asyncio.current_task().cancelling() or isinstance(e, NotReady):
+                    raise
+                raise NotReady(f"the replica on {replica.device} stopped during this request; retry") from e
+
+    def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        return self._route("synthesize", request)
+
+    def synthesize_stream(self, *args, **kwargs) -> AsyncIterator[AudioChunk]:
+        return self._route("synthesize_stream", *args, **kwargs)
+
+    async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio, overwrite: bool = False):
+        with self._assigned() as replica:
+            return await replica.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
+
+    def engine_stats(self) -> EngineStats:
+        stats = [r.synth.engine_stats() for r in self.replicas]
+        return EngineStats(running=sum(s.running for s in stats), waiting=sum(s.waiting for s in stats),
+                           kv_usage=max(s.kv_usage for s in stats))
+
+    def device_stats(self) -> list[DeviceStats]:
+        return [DeviceStats(r.device, "replica", r.active, r.served, r.synth.engine_stats()) for r in self.replicas]
+
+    def stage_stats(self) -> list[StageStats]:
+        return totals([st for r in self.replicas for st in r.synth.stage_stats()])
+
+    async def warmup(self) -> None:
+        await asyncio.gather(*(r.synth.warmup() for r in self.replicas))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.synth.close() for r in self.replicas))
+
+
+# ---- disaggregated -----------------------------------------------------------------------------
+
+
+class Token2WavWorker:
+    """One device's token2wav batcher, counting the streams it serves (`submit` is the
+    batcher's). A stream joins with its first job and leaves with its final one, or when it is
+    dropped (a cancelled request): the set holds weak references."""
+
+    def __init__(self, batcher: Token2WavBatcher, device: str):
+        self.batcher = batcher
+        self.device = device
+        self.runner = batcher.runner
+        self.streams: weakref.WeakSet[Token2WavStream] = weakref.WeakSet()
+        self.served = 0  # utterances assigned
+
+    async def submit(self, job: Token2WavJob, deadline: float) -> torch.Tensor:
+        self.streams.add(job.stream)
+        try:
+            return await self.batcher.submit(job, deadline)
+        finally:
+            if job.finalize:
+                self.streams.discard(job.stream)
+
+
+class Token2WavPool:
+    """Token2WavBatchers on several devices in the Synthesizer's `batcher` slot. The Synthesizer
+    calls `pick()` once per utterance (a plain Token2WavBatcher returns itself) and sends all of
+    the utterance's jobs there, because its caches live on that device; `pick` returns the worker
+    with the fewest live streams (ties: the one given fewest utterances)."""
+
+    def __init__(self, batchers: list[Token2WavBatcher], devices: list[str]):
+        if not batchers or len(batchers) != len(devices):
+            raise ValueError("one batcher per device")
+        self.workers = [Token2WavWorker(b, d) for b, d in zip(batchers, devices)]
+
+    def stage_stats_list(self) -> list[StageStats]:
+        return [w.batcher.stage_stats for w in self.workers]
+
+    def pick(self) -> Token2WavWorker:
+        worker = min(self.workers, key=lambda w: (len(w.streams), w.served))
+        worker.served += 1
+        return worker
+
+    def device_stats(self) -> list[DeviceStats]:
+        return [DeviceStats(w.device, "token2wav", len(w.streams), w.served) for w in self.workers]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.batcher.close() for w in self.workers))
+
+
+def build_token2wav_batcher(config: Config, model_dir: ModelDir, device: str) -> Token2WavBatcher:
+    """A token2wav worker on `device`: its own flow + HiFT weights, estimator, runner and batcher."""
+    models = build_models(model_dir, device=torch.device(device), dtype=getattr(torch, config.model.flow_dtype),
+                          with_llm=False)
+    return token2wav_batcher(config, models, model_dir)
+
+
+async def create_disaggregated(config: Config, warmup: bool = True) -> Synthesizer:
+    """A Synthesizer on the first device whose batcher is a Token2WavPool over the other devices."""
+    llm_device, *t2w_devices = devices_of(config)
+    synth = await Synthesizer.create(on_device(config, llm_device), warmup=False)
+    loop = asyncio.get_running_loop()
+    batchers = await asyncio.gather(*(loop.run_in_executor(None, build_token2wav_batcher, config, synth.model_dir, d)
+                                      for d in t2w_devices))
+    await synth.batcher.close()  # the first device runs only the LLM
+    pool = Token2WavPool(list(batchers), t2w_devices)
+    synth.batcher = pool
+    if warmup:
+        synth.ready = False
+        for _ in pool.workers:  # sequential streams go round the workers: each is warmed once
+            await synth.warmup()
+        synth.ready = True
+    log.info("LLM on %s, token2wav on %s", llm_device, ", ".join(t2w_devices))
+    return synth
+
+
+def device_stats(synth: "Synthesizer | ReplicaRouter") -> list[DeviceStats]:
+    """The load per device of whatever `create_synthesizer` made."""
+    if isinstance(synth, ReplicaRouter):
+        return synth.device_stats()
+    engine = synth.engine_stats()
+    if isinstance(synth.batcher, Token2WavPool):
+        return [DeviceStats(synth.config.model.device, "llm", engine.running, engine=engine),
+                *synth.batcher.device_stats()]
+    return [DeviceStats(synth.config.model.device, "all", engine.running, engine=engine)]

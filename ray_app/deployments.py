@@ -1,0 +1,88 @@
+"""The two Ray Serve deployments: model replicas and the gRPC ingress."""
+from __future__ import annotations
+
+import logging
+
+from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from async_cosyvoice.config import Config
+from async_cosyvoice.placement import create_synthesizer
+from async_cosyvoice.speaker_store import open_speaker_store
+from async_cosyvoice.tts import Audio, SynthesisRequest
+from grpc_async.metrics import Metrics
+from grpc_async.servicer import CosyVoiceServicer
+
+from .context import serve_streaming, serve_unary
+from .remote import RemoteSynthesizer, ServedBy
+
+log = logging.getLogger(__name__)
+
+# Defaults; `serve deploy` configs (deploy/ray-serve.yaml) override them per deployment.
+MODEL_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+
+
+@serve.deployment(name="CosyVoiceModel", max_ongoing_requests=32, autoscaling_config=MODEL_AUTOSCALING,
+                  health_check_period_s=5)
+class CosyVoiceModel:
+    """One Synthesizer per replica (its devices: the replica's `num_gpus`, `model.devices`)."""
+
+    async def __init__(self, config_json: str):
+        self.synth = await create_synthesizer(Config.model_validate_json(config_json))
+        self.replica = serve.get_replica_context().replica_id.to_full_id_str()
+
+    def describe(self) -> dict:
+        return {"sample_rate": self.synth.sample_rate, "replica": self.replica}
+
+    async def synthesize(self, request: SynthesisRequest):
+        yield ServedBy(self.replica)
+        async for chunk in self.synth.synthesize(request):
+            yield chunk
+
+    async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio, overwrite: bool):
+        record = await self.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
+        return self.replica, record
+
+    def check_health(self) -> None:
+        if not self.synth.ready:
+            raise RuntimeError("the synthesizer is not ready")
+
+
+@serve.deployment(name="CosyVoiceIngress", max_ongoing_requests=256)
+class CosyVoiceIngress:
+    """Ray's gRPC proxy calls these by RPC name; each runs our grpc servicer's handler."""
+
+    async def __init__(self, model: DeploymentHandle, config_json: str):
+        config = Config.model_validate_json(config_json)
+        info = await model.describe.remote()  # waits for a model replica
+        self.servicer = CosyVoiceServicer(config, Metrics())
+        self.servicer.synth = RemoteSynthesizer(model, open_speaker_store(config.speakers), info["sample_rate"])
+
+    async def Synthesize(self, request, grpc_context):
+        async for message in serve_streaming(self.servicer.Synthesize, request, grpc_context):
+            yield message
+
+    async def StreamSynthesize(self, request_stream, grpc_context):
+        async for message in serve_streaming(self.servicer.StreamSynthesize, request_stream, grpc_context):
+            yield message
+
+    async def RegisterSpeaker(self, request, grpc_context):
+        return await serve_unary(self.servicer.RegisterSpeaker, request, grpc_context)
+
+    async def GetSpeaker(self, request, grpc_context):
+        return await serve_unary(self.servicer.GetSpeaker, request, grpc_context)
+
+    async def ListSpeakers(self, request, grpc_context):
+        return await serve_unary(self.servicer.ListSpeakers, request, grpc_context)
+
+    async def DeleteSpeaker(self, request, grpc_context):
+        return await serve_unary(self.servicer.DeleteSpeaker, request, grpc_context)
+
+    # grpc.health.v1: this ingress exists once a model replica answered (see __init__); Ray
+    # replaces dead model replicas behind it.
+    async def Check(self, request, grpc_context):
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def Watch(self, request, grpc_context):
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
