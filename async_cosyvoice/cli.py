@@ -116,7 +116,7 @@ def cmd_speakers(args) -> int:
     elif args.action == "show":
         r = store.get(args.id)
         print(json.dumps({"speaker_id": r.speaker_id, "kind": r.kind, "prompt_text": r.prompt_text,
-                          "prompt_text_tokens": int(r.prompt_text_tokens.size),
+                          "prompt_text_tokens": int(r.voice.prompt_text_tokens.size),
                           "speech_tokens": r.voice.n_tokens, "speech_feat": list(r.voice.speech_feat.shape),
                           "embedding": list(r.voice.embedding.shape), "created_at": r.created_at}, indent=2))
     elif args.action == "rm":
