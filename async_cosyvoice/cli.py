@@ -139,8 +139,7 @@ def cmd_serve(args) -> int:
     config = _config(args)
     if args.port is not None:
         config = config.model_copy(update={"server": config.server.model_copy(update={"port": args.port})})
-    run(config)
-    return 0
+    return run(config)  # non-zero when the LM engine died
 
 
 def cmd_client(argv: list[str]) -> int:

@@ -30,3 +30,13 @@ class Overloaded(CosyVoiceError):
 
 class Unsupported(CosyVoiceError):
     """A valid request this model or configuration cannot serve. -> FAILED_PRECONDITION"""
+
+
+class SpeakerCorrupt(CosyVoiceError):
+    """A stored speaker record exists but cannot be read (truncated, garbled). Its data is gone:
+    the speaker must be registered again. -> DATA_LOSS"""
+
+
+class EngineDead(NotReady):
+    """The speech-token engine died (its process was killed, its step loop failed). The instance
+    cannot serve any more and is exiting. -> UNAVAILABLE"""

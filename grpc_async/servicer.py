@@ -22,8 +22,8 @@ import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Overloaded,
-                                   SpeakerExists, SpeakerNotFound, Unsupported)
+from async_cosyvoice.errors import (CosyVoiceError, EngineDead, InvalidRequest, NotReady, Overloaded,
+                                   SpeakerCorrupt, SpeakerExists, SpeakerNotFound, Unsupported)
 from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speaker_id
 from async_cosyvoice.tts import Audio, Mode, SynthesisOptions, SynthesisRequest
 
@@ -49,6 +49,7 @@ _STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (SpeakerNotFound, grpc.StatusCode.NOT_FOUND),
     (SpeakerExists, grpc.StatusCode.ALREADY_EXISTS),
     (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
+    (SpeakerCorrupt, grpc.StatusCode.DATA_LOSS),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
 ]
@@ -142,10 +143,15 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         self.active = 0
         self.idle = asyncio.Event()  # set while no synthesis stream runs
         self.idle.set()
+        self.engine_failure: str | None = None  # set by the server when the LM engine died
+        self._streams: set[asyncio.Task] = set()  # handler tasks holding a stream slot
+        self._ending: str | None = None  # set by end_streams: the status message of cancelled streams
 
     # ---- state ----
 
     def _synth(self) -> "Synthesizer":
+        if self.engine_failure is not None:
+            raise self.engine_dead()
         if self.closing:
             raise NotReady("the server is shutting down; retry on another instance")
         if self.synth is None or not getattr(self.synth, "ready", True):
@@ -161,16 +167,35 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         self.active += 1
         self.idle.clear()
         self.metrics.active_streams.inc()
+        task = asyncio.current_task()
+        self._streams.add(task)
         try:
             yield
         finally:
+            self._streams.discard(task)
             self.active -= 1
             self.metrics.active_streams.dec()
             if not self.active:
                 self.idle.set()
 
+    def engine_dead(self) -> EngineDead:
+        return EngineDead(f"the speech-token engine died ({self.engine_failure}); this server is "
+                          "exiting, retry on another instance")
+
+    def end_streams(self, message: str) -> list[asyncio.Task]:
+        """Cancel every synthesis stream still running (the drain grace ran out, the engine died);
+        each ends with UNAVAILABLE and `message` (see `_fail`). Returns their handler tasks."""
+        self._ending = message
+        tasks = list(self._streams)
+        for task in tasks:
+            task.cancel()
+        return tasks
+
     async def _fail(self, call: _Call, error: BaseException) -> None:
         """Turn an exception into a status (and re-raise what grpc must see)."""
+        if isinstance(error, asyncio.CancelledError) and self._ending:
+            call.status, call.detail = grpc.StatusCode.UNAVAILABLE.name, self._ending
+            await call.context.abort(grpc.StatusCode.UNAVAILABLE, self._ending)
         if isinstance(error, asyncio.CancelledError):
             try:
                 remaining = call.context.time_remaining()
@@ -182,6 +207,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             raise error
         if isinstance(error, CosyVoiceError):
             code, message = status_for(error), str(error)
+        elif self.engine_failure is not None:  # whatever a dying engine threw at its requests
+            code, message = grpc.StatusCode.UNAVAILABLE, str(self.engine_dead())
         else:
             log.exception("rpc method=%s id=%s failed", call.method, call.request_id)
             code = grpc.StatusCode.INTERNAL
