@@ -142,8 +142,10 @@ class Step:
     args: dict = field(default_factory=dict)
 
 
-def plan(n: int, seed: int) -> list[Step]:
-    """n requests, deterministic for a seed. Weights: ~60% synthesis, the rest misuse and speakers."""
+def plan(n: int, seed: int, max_tokens_cap: int | None = None) -> list[Step]:
+    """n requests, deterministic for a seed. Weights: ~60% synthesis, the rest misuse and speakers.
+    `max_tokens_cap`: every synthesis that would end on its own is forced to 5..cap tokens instead
+    (a short, CPU-cheap plan for CI)."""
     rng = random.Random(seed)
     steps: list[Step] = []
     kinds = [("synth", 40), ("stream_synth", 8), ("cancel", 8), ("deadline", 6), ("malformed", 18),
@@ -154,6 +156,8 @@ def plan(n: int, seed: int) -> list[Step]:
         text = rng.choice(TEXTS)
         stream = rng.random() < 0.5
         max_tokens = rng.choice((None, rng.randint(8, 40)))
+        if max_tokens_cap is not None:
+            max_tokens = rng.randint(5, max_tokens_cap)
         if kind == "synth":
             mode = rng.choice(SYNTH_MODES[:-1])
             steps.append(Step(f"synth:{mode}:{'stream' if stream else 'whole'}", (OK,),
@@ -161,7 +165,8 @@ def plan(n: int, seed: int) -> list[Step]:
         elif kind == "vc":
             steps.append(Step("synth:vc", (OK,), dict(mode="vc", text="", stream=stream, seed=i)))
         elif kind == "stream_synth":
-            steps.append(Step("stream_synthesize", (OK,), dict(pieces=text.split(" "), seed=i)))
+            steps.append(Step("stream_synthesize", (OK,), dict(pieces=text.split(" "), seed=i,
+                                                               max_tokens=max_tokens if max_tokens_cap else None)))
         elif kind == "cancel":
             steps.append(Step("cancel_mid_stream", (CANCELLED, OK), dict(after=rng.randint(1, 3), seed=i)))
         elif kind == "deadline":
@@ -221,13 +226,14 @@ class Sample:
 
 
 class Soak:
-    def __init__(self, target: str, metrics_url: str, pid: int | None, concurrency: int, seed: int):
+    def __init__(self, target: str, metrics_url: str, pid: int | None, concurrency: int, seed: int,
+                 prompt_seconds: float = 2.0):
         self.target = target
         self.metrics_url = metrics_url
         self.pid = pid
         self.concurrency = concurrency
         self.seed = seed
-        self.prompt = tone_wav(2.0, 16000, 180.0, seed)
+        self.prompt = tone_wav(prompt_seconds, 16000, 180.0, seed)
         self.malformed = _malformed(self.prompt)
         self.statuses: Counter[tuple[str, str]] = Counter()
         self.unexpected: list[tuple[str, str, str]] = []
@@ -262,7 +268,7 @@ class Soak:
                                            max_tokens=a.get("max_tokens"), **self._voice(a["mode"])))
         elif step.kind == "stream_synthesize":
             await self._drain(c.stream_synthesize([p + " " for p in a["pieces"]], speaker_id=SPEAKER_ZS,
-                                                  stream=True, seed=a["seed"]))
+                                                  stream=True, seed=a["seed"], max_tokens=a["max_tokens"]))
         elif step.kind == "cancel_mid_stream":
             n = 0
             async for chunk in c.synthesize(LONG_TEXT, speaker_id=SPEAKER_ZS, stream=True, seed=a["seed"]):
@@ -394,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pid", type=int, help="with --target: read RSS from /proc/PID (else the metric)")
     ap.add_argument("--model-dir", default=os.environ.get("COSYVOICE_TINY_FIXTURE"),
                     help="model for the server we start (default $COSYVOICE_TINY_FIXTURE, else the demo model)")
+    ap.add_argument("--max-tokens-cap", type=int, help="force every synthesis to 5..CAP speech tokens "
+                    "(a cheap plan, for CI)")
+    ap.add_argument("--prompt-seconds", type=float, default=2.0)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--keep-log", action="store_true", help="print the server log path instead of deleting it")
     args = ap.parse_args(argv)
@@ -415,11 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         t_start = time.perf_counter()
         asyncio.run(_wait_ready(target, server))
         print(f"server ready in {time.perf_counter() - t_start:.1f} s at {target}", flush=True)
-        soak = Soak(target, metrics, pid, args.concurrency, args.seed)
+        soak = Soak(target, metrics, pid, args.concurrency, args.seed, args.prompt_seconds)
         asyncio.run(soak.setup())
         first = soak.sample()
         print(f"start: RSS {first.rss_mib:.1f} MiB", flush=True)
-        steps = plan(args.requests, args.seed)
+        steps = plan(args.requests, args.seed, args.max_tokens_cap)
         asyncio.run(soak.run(steps, args.sample_every))
         last = soak.settle()
         crashed = server is not None and server.proc.poll() is not None

@@ -112,6 +112,7 @@ class VLLMEngine:
         from ..model_dir import ModelDir, load_model_dir
 
         self.model_dir = model_dir if isinstance(model_dir, ModelDir) else load_model_dir(model_dir)
+        check_servable(self.model_dir.dims.lm.qwen, _import_vllm()[1])  # before vLLM spawns anything
         self.args = args
         self._lm = lm
         self._embed_dtype = getattr(torch, args.dtype)
@@ -125,8 +126,7 @@ class VLLMEngine:
     async def start(self) -> None:
         if self.llm is not None:
             return
-        _, platform = _import_vllm()
-        check_servable(self.model_dir.dims.lm.qwen, platform)
+        _import_vllm()
         from .vllm_export import export_for_vllm
 
         self.export_dir = await asyncio.to_thread(
