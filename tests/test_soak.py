@@ -18,15 +18,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 REQUESTS = 240
 WARMUP = 80
-# RSS bound after warm-up, from benchmarks/soak.py runs on the tiny model (NOTES-robust.md): the
-# server grows ~500 MiB over its first ~200 requests (allocator arenas of the thread pools,
-# ONNX/torch workspaces, the speaker cache), then stays within ~+-60 MiB. The peak after warm-up
-# may exceed the warm-up level by 192 MiB; a leak of one streamed chunk (~50 KiB) per request is
-# caught by the slope bound only over thousands of requests, so CI bounds the level and the
-# 3,000-request run in the notes bounds the slope.
+# RSS after warm-up: on this plan the server went 595 MiB (ready) -> 647 (80 requests) -> 667
+# (240), i.e. +20 MiB after warm-up. The bound, 96 MiB, leaves ~5x headroom for allocator noise
+# and still fails a leak of >= 0.6 MiB per request (a request's audio, mel or LM state kept
+# alive). Small per-request leaks need thousands of requests to see; the slope over a 3,000-
+# request run is checked by benchmarks/soak.py's default run (NOTES-robust.md), not here.
 SOAK_ARGS = ["--requests", str(REQUESTS), "--warmup", str(WARMUP), "--concurrency", "4", "--sample-every", "20",
-             "--max-tokens-cap", "12", "--prompt-seconds", "1.0", "--rss-bound-mib", "192",
-             "--slope-bound-kib", "1e9"]
+             "--max-tokens-cap", "12", "--prompt-seconds", "1.0", "--rss-bound-mib", "96",
+             "--slope-bound-kib", "inf"]
 
 
 @pytest.mark.slow
