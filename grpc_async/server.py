@@ -10,8 +10,10 @@ turns NOT_SERVING at once and for good, every request gets UNAVAILABLE with the 
 `serve` shuts down and returns ENGINE_DEAD_EXIT_CODE: the process exits non-zero so that the
 orchestrator (systemd, Kubernetes, Ray Serve) replaces it. We do not restart the engine in place:
 a half-dead process (KV cache, worker threads, device state of unknown health) is worse than a
-fresh one, and the orchestrator already knows how to start one. Also served: grpc.health.v1, server reflection, Prometheus metrics on
-a side HTTP port. The pieces live next to it: `servicer` (the RPCs), `encoding` (audio out),
+fresh one, and the orchestrator already knows how to start one.
+
+Also served: grpc.health.v1 (Check, Watch, List), server reflection, Prometheus metrics on a side
+HTTP port (`/metrics` only). The pieces live next to it: `servicer` (the RPCs), `encoding` (audio out),
 `sentences` (StreamSynthesize text), `auth` (bearer token, TLS), `metrics`.
 
 Entry points: `run(config)` (blocking, used by `async-cosyvoice serve`), `serve(config)`

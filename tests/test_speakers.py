@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from async_cosyvoice.errors import InvalidRequest, SpeakerExists, SpeakerNotFound
+from async_cosyvoice.errors import InvalidRequest, SpeakerCorrupt, SpeakerExists, SpeakerNotFound
 from async_cosyvoice.speakers import (MAX_ID_LENGTH, SpeakerRecord, SpeakerStore, speaker_file_name,
                                       validate_speaker_id)
 
@@ -309,7 +309,7 @@ def test_corrupt_file_is_skipped_in_listing(tmp_path):
     store.put(make_record("good"))
     (tmp_path / speaker_file_name("bad")).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     assert store.ids() == ["good"]
-    with pytest.raises(ValueError):
+    with pytest.raises(SpeakerCorrupt, match="'bad'.*registered again"):
         store.get("bad")
 
 

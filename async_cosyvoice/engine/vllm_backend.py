@@ -143,8 +143,7 @@ class VLLMEngine:
         """Resolve the death future the moment an EngineCore process exits (its sentinel fd becomes
         readable), busy or idle; the Worker is EngineCore's child, so its death ends EngineCore too."""
         loop = asyncio.get_running_loop()
-        manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
-        for proc in getattr(manager, "processes", ()):
+        for proc in _engine_core_processes(self.llm):
             def exited(proc=proc) -> None:
                 loop.remove_reader(proc.sentinel)
                 if self.llm is not None:  # not our own shutdown
@@ -201,8 +200,7 @@ class VLLMEngine:
     async def stop(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
-            manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
-            for proc in getattr(manager, "processes", ()):
+            for proc in _engine_core_processes(llm):
                 asyncio.get_running_loop().remove_reader(proc.sentinel)
             await asyncio.to_thread(llm.shutdown)
         self._stats = EngineStats()
@@ -294,6 +292,14 @@ class VLLMEngine:
                 pass
 
         return SchedulerStatsSink
+
+
+def _engine_core_processes(llm) -> list:
+    """The EngineCore processes an AsyncLLM spawned (vLLM 0.32's MP client keeps them in its
+    CoreEngineProcManager); empty where vLLM runs the core elsewhere (then death shows up as
+    EngineDeadError in `generate`)."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", ()))
 
 
 def check_servable(qwen: "Qwen2Dims", platform) -> None:
