@@ -33,8 +33,8 @@ from grpc_async.server import CosyVoiceServicer, ServerThread, _decode_audio, st
 
 MAX_TEXT = 80
 MAX_PROMPT_SECONDS = 3.0
-FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                       HealthCheck.function_scoped_fixture])
 ACTIONABLE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
 SPEAKERS = ("tiny_zs_spk", "tiny_sft_spk")
