@@ -10,6 +10,9 @@ end with; anything else is "unexpected". Every --sample-every requests the serve
 memory (from /proc when the server is ours, else its `process_resident_memory_bytes` metric),
 active streams and LM engine requests are printed.
 
+Against --target it registers (replacing) the speakers `soak_zs` and `soak_sft` and registers
+and deletes `soak-<n>` ones; use a test instance.
+
 Exit status: 0 when there was no crash, no unexpected status, no leaked stream or engine request
 after the run, and resident memory after warm-up stayed within the bound (see `rss_verdict`);
 1 otherwise. `--json PATH` writes everything measured.
