@@ -26,7 +26,7 @@ is skipped; rerun the same command after an interruption. A failed entry is repo
 error) and the others go on; the exit status is 1 when any failed.
 
 Multi-GPU on one host: `--devices cuda:0,cuda:1,...` starts one worker process per device
-(`python -m async_cosyvoice.cli batch ... --device cuda:K --shard K/N`); worker K takes the
+(`python -m cosyvoice_cli batch ... --device cuda:K --shard K/N`); worker K takes the
 entries whose position in the list is K modulo N (the same split on every run, so resuming
 works per shard), loads its own model copy, and reports progress to the parent as JSON lines
 on stdout; the parent shows one combined progress bar and report. torchrun is not needed: the
@@ -332,7 +332,9 @@ async def run_batch(config: "Config", entries: Sequence[Entry], *, concurrency: 
 
 def worker_argv(args, device: str, index: int, count: int) -> list[str]:
     """The command line of the worker for `device` (shard index/count)."""
-    argv = [sys.executable, "-m", "async_cosyvoice.cli", "batch", "--data-list", str(args.data_list),
+    # the worker is the command line (cosyvoice_cli, above this library) run again: started as a
+    # process, never imported from here
+    argv = [sys.executable, "-m", "cosyvoice_cli", "batch", "--data-list", str(args.data_list),
             "--out-dir", str(args.out_dir), "--device", device, "--shard", f"{index}/{count}", "--worker",
             "--seed", str(args.seed)]
     for flag, value in (("--config", args.config), ("--model-dir", args.model_dir),

@@ -169,7 +169,7 @@ TOKENS = 20
 
 @pytest.mark.slow
 def test_cli_bench_in_process_sweep_and_t2w_compare(tiny_dir, tmp_path, capsys):
-    from async_cosyvoice.cli import main
+    from cosyvoice_cli.cli import main
 
     out = tmp_path / "r.json"
     rc = main(["bench", "--in-process", "--model-dir", str(tiny_dir), "--concurrency", "1,2", "--requests", "2",

@@ -4,7 +4,7 @@ import json
 import pytest
 import soundfile as sf
 
-from async_cosyvoice.cli import main
+from cosyvoice_cli.cli import main
 
 
 @pytest.fixture
