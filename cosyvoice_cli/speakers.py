@@ -68,7 +68,7 @@ def _shown(speaker_id: str, kind: str, speech_tokens: int, created_at: float | N
 
 def run(args) -> int:
     check_where(args)
-    if args.target:
+    if getattr(args, "target", None):  # import/export have no --target
         return asyncio.run(_remote(args))
     return _local(args)
 
