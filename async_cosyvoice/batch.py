@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from .files import atomic_writer
+from .progress import ProgressLine
 
 if TYPE_CHECKING:
     from .config import Config
@@ -185,11 +186,8 @@ class ProgressBar:
     """`[batch] ████░░ 40/100 (skipped 10, failed 0)  audio 123 s  x45.1 RT  eta 1m03s` on stderr."""
 
     def __init__(self, stream=None, enabled: bool = True, width: int = 24):
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.live = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.progress = ProgressLine(stream, enabled, log_every_s=10.0)
         self.width = width
-        self._last = 0.0
 
     def line(self, s: BatchStats) -> str:
         n, total = s.finished_entries, max(s.total, 1)
@@ -204,22 +202,10 @@ class ProgressBar:
                 f"audio {s.audio_s:.1f} s{speed}{eta}")
 
     def draw(self, s: BatchStats, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < (0.1 if self.live else 10.0):
-            return
-        self._last = now
-        if self.live:
-            self.stream.write("\r\033[K" + self.line(s))
-        else:
-            self.stream.write(self.line(s) + "\n")
-        self.stream.flush()
+        self.progress.show(self.line(s), force)
 
     def close(self, s: BatchStats) -> None:
-        if self.enabled:
-            self.stream.write(("\r\033[K" if self.live else "") + self.line(s) + "\n")
-            self.stream.flush()
+        self.progress.end(self.line(s))
 
 
 def _duration(seconds: float) -> str:

@@ -1,5 +1,6 @@
-"""One status line on stderr for long commands (synthesize, bench): redrawn in place on a terminal,
-written once when done otherwise, so logs and captured output get whole lines."""
+"""One status line on stderr for long commands (synthesize, bench, batch): redrawn in place on a
+terminal; elsewhere (logs, captured output) whole lines only: the final one, and with
+`log_every_s` one every that many seconds on the way."""
 from __future__ import annotations
 
 import sys
@@ -9,19 +10,22 @@ REDRAW_EVERY_S = 0.1
 
 
 class ProgressLine:
-    def __init__(self, stream=None, enabled: bool = True):
+    def __init__(self, stream=None, enabled: bool = True, log_every_s: float | None = None,
+                 redraw_every_s: float = REDRAW_EVERY_S):
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.live = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every_s = redraw_every_s if self.live else log_every_s
         self._last_draw = 0.0
 
     def show(self, text: str, force: bool = False) -> None:
-        """Redraw the line (on a terminal, at most every REDRAW_EVERY_S unless `force`)."""
+        """Redraw the line on a terminal (at most every `redraw_every_s` unless `force`); elsewhere
+        write it as a line of its own at most every `log_every_s` (never when that is None)."""
         now = time.monotonic()
-        if not self.live or (not force and now - self._last_draw < REDRAW_EVERY_S):
+        if not self.enabled or self.every_s is None or (not force and now - self._last_draw < self.every_s):
             return
         self._last_draw = now
-        self.stream.write("\r\033[K" + text)
+        self.stream.write("\r\033[K" + text if self.live else text + "\n")
         self.stream.flush()
 
     def end(self, text: str) -> None:
