@@ -65,7 +65,7 @@ class Piece:
     """One chunk as the command keeps it, from either source."""
     index: int
     audio_end_s: float          # audio seconds from the start through this chunk
-    samples: np.ndarray | None  # raw encodings: float32 mono at Result.sample_rate
+    samples: np.ndarray | None  # raw encodings: float32 mono at Result.samples_rate
     data: bytes = b""           # compressed encodings: the stream's next bytes
 
 
@@ -77,6 +77,7 @@ class Result:
     n_speech_tokens: int = 0
     server_first_chunk_s: float | None = None
     chunks_seen: int = 0
+    started: float = 0.0        # time.monotonic() when the request went out (after a model load)
 
 
 def run(args) -> int:
@@ -102,19 +103,18 @@ def _infer_mode(args) -> str:
 
 async def _write(args, source: AsyncIterator[Piece], result: Result) -> int:
     progress = ProgressLine()
-    samples, data, chunks, first, text = [], [], 0, None, "no audio"
-    t0 = time.monotonic()
+    samples, data, chunks, seconds, first, text = [], [], 0, 0.0, None, "no audio"
     async for piece in source:
-        elapsed = time.monotonic() - t0
+        elapsed = time.monotonic() - result.started
         if first is None and piece.audio_end_s > 0:
             first = (elapsed, piece.audio_end_s)
         if piece.samples is not None:
             samples.append(piece.samples)
         data.append(piece.data)
-        chunks = piece.index + 1
+        chunks, seconds = piece.index + 1, piece.audio_end_s
         text = f"chunk {piece.index:3d}  audio {piece.audio_end_s:6.2f} s  elapsed {elapsed:6.2f} s"
         progress.show(text)
-    wall = time.monotonic() - t0
+    wall = time.monotonic() - result.started
     progress.end(text)
     if args.encoding in RAW:
         audio = np.concatenate(samples) if samples else np.zeros(0, np.float32)
@@ -123,7 +123,6 @@ async def _write(args, source: AsyncIterator[Piece], result: Result) -> int:
         sf.write(args.out, np.clip(audio, -1.0, 1.0), result.sample_rate, subtype="PCM_16")
     else:
         args.out.write_bytes(b"".join(data))
-    seconds = piece.audio_end_s if chunks else 0.0
     first_ms, first_audio = (1e3 * first[0], first[1]) if first else (0.0, 0.0)
     server = (f" (server {1e3 * result.server_first_chunk_s:.0f} ms)"
               if result.server_first_chunk_s is not None else "")
@@ -160,6 +159,8 @@ async def _local(args, mode: str, result: Result) -> AsyncIterator[Piece]:
             encoder = AudioStreamEncoder(LIBRARY_FORMAT.get(args.encoding, args.encoding), result.sample_rate,
                                          native)
         loop = asyncio.get_running_loop()
+        last = (0, 0.0)
+        result.started = time.monotonic()
         async for chunk in synth.synthesize(request):
             result.speech_tokens.extend(chunk.segment_tokens)
             end_s = (chunk.sample_offset + len(chunk.samples)) / chunk.sample_rate
@@ -181,6 +182,7 @@ async def _local(args, mode: str, result: Result) -> AsyncIterator[Piece]:
 async def _remote(args, mode: str, result: Result) -> AsyncIterator[Piece]:
     async with client_from_args(args) as client:
         samples_so_far = 0
+        result.started = time.monotonic()
         async for chunk in client.synthesize(
                 args.text or "", mode=mode, speaker_id=args.speaker, prompt_audio=args.prompt_wav,
                 prompt_text=args.prompt_text, instruct_text=args.instruct, source_audio=args.source_wav,
@@ -188,7 +190,7 @@ async def _remote(args, mode: str, result: Result) -> AsyncIterator[Piece]:
                 encoding=args.encoding, sample_rate=args.sample_rate or 0, seed=args.seed,
                 max_tokens=args.max_tokens, timeout=args.timeout):
             if chunk.index != result.chunks_seen:
-                raise RuntimeError(f"chunk {chunk.index} arrived, expected {result.chunks_seen}")
+                raise ConnectionError(f"chunk {chunk.index} arrived, expected {result.chunks_seen}")
             result.chunks_seen += 1
             result.sample_rate = result.samples_rate = chunk.sample_rate
             samples_so_far += chunk.num_samples
@@ -201,4 +203,4 @@ async def _remote(args, mode: str, result: Result) -> AsyncIterator[Piece]:
             else:
                 yield Piece(chunk.index, end_s, None, chunk.audio)
         if not result.chunks_seen:
-            raise RuntimeError("the server sent no audio")
+            raise ConnectionError("the server sent no audio")

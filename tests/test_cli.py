@@ -78,12 +78,16 @@ def test_bad_input_is_an_error_not_a_traceback(common, tiny_dir, tmp_path, capsy
 def test_config_first_hop_is_honoured(common, tiny_dir, tmp_path, capsys):
     """The configured token2wav.first_hop sets the first streamed chunk (15 + 3 lookahead tokens by
     default): 20 tokens -> 20 x 960 samples, minus the 3840 HiFT keeps for the cross-fade. The
-    progress line (stderr) ends with the last chunk; the summary (stdout) tells the first."""
+    progress line (stderr) ends with the last chunk; the summary (stdout) tells the first. Written as
+    Ogg Opus at 48 kHz by the library's encoder, as a server would send it."""
     config = tmp_path / "c.yaml"
     config.write_text("token2wav:\n  first_hop: 20\n  adaptive: false\n")
     prompt = str(tiny_dir / "golden" / "prompt_24k.wav")
+    out = tmp_path / "o.opus"
     assert main(["synthesize", "--prompt-wav", prompt, "--text", "Hello there.", "--stream", "--max-tokens", "40",
-                 "--config", str(config), "--out", str(tmp_path / "o.wav"), *common]) == 0
+                 "--encoding", "opus", "--sample-rate", "48000", "--config", str(config), "--out", str(out),
+                 *common]) == 0
+    assert out.read_bytes()[:4] == b"OggS" and sf.info(out).frames == 40 * 960 * 2
     said = capsys.readouterr()
     assert f"({(20 * 960 - 3840) / 24000:.2f} s of audio)" in said.out and "40 speech tokens" in said.out
     last = said.err.splitlines()[-1].split()  # "chunk   N  audio   1.60 s  elapsed ..." (not a terminal)
