@@ -8,6 +8,7 @@ under TYPE_CHECKING), absolute and relative. An edge goes to the module named, o
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import async_cosyvoice
@@ -53,6 +54,7 @@ def imports(path: Path) -> set[str]:
     return out
 
 
+@functools.lru_cache
 def graph(packages: tuple[str, ...] = ("async_cosyvoice",)) -> dict[str, set[str]]:
     return {module_name(p): imports(p) for package in packages for p in sorted((ROOT / package).rglob("*.py"))}
 
