@@ -37,12 +37,12 @@ def check_where(args, local_only: tuple[str, ...] = (), remote_only: tuple[str, 
     if getattr(args, "target", None):
         given = [o for o in LOCAL_OPTIONS + local_only if getattr(args, o, None) not in (None, False)]
         if given:
-            raise SystemExit(f"error: {', '.join(_flag(o) for o in given)}: in-process only; the server at "
+            raise ValueError(f"{', '.join(_flag(o) for o in given)}: in-process only; the server at "
                              f"{args.target} uses its own config")
     else:
         given = [o for o in REMOTE_OPTIONS + remote_only if getattr(args, o, None) not in (None, False)]
         if given:
-            raise SystemExit(f"error: {', '.join(_flag(o) for o in given)}: only with --target HOST:PORT")
+            raise ValueError(f"{', '.join(_flag(o) for o in given)}: only with --target HOST:PORT")
 
 
 def _flag(dest: str) -> str:

@@ -130,7 +130,7 @@ async def _remote(args) -> int:
                                               timeout=args.timeout)
             print(line(*_fields(s)))
         elif args.action == "list":
-            for s in await client.all_speakers():
+            for s in await client.all_speakers(timeout=args.timeout):
                 print(line(*_fields(s)))
         elif args.action == "show":
             print(json.dumps(_shown(*_fields(await client.get_speaker(args.id, timeout=args.timeout))), indent=2))

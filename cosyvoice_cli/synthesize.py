@@ -97,8 +97,8 @@ def _infer_mode(args) -> str:
         return infer_mode(speaker_id=args.speaker, prompt_audio=args.prompt_wav, prompt_text=args.prompt_text,
                           instruct_text=args.instruct, source_audio=args.source_wav)
     except ValueError:
-        raise SystemExit("error: give a voice: --prompt-wav [--prompt-text], --speaker ID, or --source-wav "
-                         "with --prompt-wav") from None
+        raise ValueError("give a voice: --prompt-wav [--prompt-text], --speaker ID, or --source-wav with "
+                         "--prompt-wav") from None
 
 
 async def _write(args, source: AsyncIterator[Piece], result: Result) -> int:

@@ -324,10 +324,10 @@ class CosyVoiceClient:
         return await self.stub.ListSpeakers(pb2.ListSpeakersRequest(page_size=page_size, page_token=page_token),
                                             timeout=timeout, metadata=self._md())
 
-    async def all_speakers(self, page_size: int = 0) -> list[pb2.Speaker]:
+    async def all_speakers(self, page_size: int = 0, timeout: float | None = None) -> list[pb2.Speaker]:
         out, token = [], ""
         while True:
-            page = await self.list_speakers(page_size, token)
+            page = await self.list_speakers(page_size, token, timeout=timeout)
             out.extend(page.speakers)
             token = page.next_page_token
             if not token:
