@@ -15,12 +15,21 @@ from . import speakers, synthesize
 from .options import add_local, config_from_args
 
 
-def cmd_serve(args) -> int:
+def serve_config(args):
+    """The config `serve` runs: the file/env config with --port (-1: no gRPC) and --http-port."""
     config = config_from_args(args)
+    server = {}
     if args.port is not None:
-        config = config.model_copy(update={"server": config.server.model_copy(update={"port": args.port})})
-    run_server(config)
-    return 0
+        server["port"] = None if args.port < 0 else args.port
+    if args.http_port is not None:
+        server["http_port"] = args.http_port
+    if server:
+        config = config.model_copy(update={"server": config.server.model_copy(update=server)})
+    return config
+
+
+def cmd_serve(args) -> int:
+    return run_server(serve_config(args)) or 0  # non-zero when the LM engine died
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the gRPC server")
+    p = sub.add_parser("serve", help="run the server: gRPC, and HTTP with --http-port")
     add_local(p)
-    p.add_argument("--port", type=int)
+    p.add_argument("--port", type=int, help="gRPC port (0: any free port; -1: no gRPC)")
+    p.add_argument("--http-port", type=int, help="HTTP port: OpenAI /v1/audio/speech, WebSocket, web page at /")
     p.set_defaults(func=cmd_serve)
 
     synthesize.add_arguments(sub.add_parser(
