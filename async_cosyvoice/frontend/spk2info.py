@@ -13,8 +13,6 @@ Files are read with `torch.load(weights_only=True)`, so no pickled code is ever 
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,6 +21,7 @@ import torch
 
 from ..errors import InvalidRequest
 from ..models.dims import SPEECH_TOKEN_SIZE
+from ..files import atomic_writer
 from ..request import Voice
 from .prompt import EMBEDDING_DIM
 
@@ -237,14 +236,6 @@ def export_spk2info(voices: Mapping[str, Voice]) -> dict[str, dict[str, torch.Te
 
 def save_spk2info(voices: Mapping[str, Voice], path: str | Path) -> None:
     """Write voices (speaker id -> Voice) as an upstream-loadable `spk2info.pt`, atomically (temp file + rename)."""
-    path = Path(path)
     data = export_spk2info(voices)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_writer(path) as tmp:
+        torch.save(data, tmp)
