@@ -149,8 +149,7 @@ def serve_config(args):
 def cmd_serve(args) -> int:
     from grpc_async.server import run
 
-    run(serve_config(args))
-    return 0
+    return run(serve_config(args))  # non-zero when the LM engine died
 
 
 def cmd_client(argv: list[str]) -> int:

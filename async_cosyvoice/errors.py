@@ -44,3 +44,13 @@ class ModelDirError(Exception):
         self.file = file
         self.message = message
         super().__init__(f"{file}: {message}")
+
+
+class SpeakerCorrupt(CosyVoiceError):
+    """A stored speaker record exists but cannot be read (truncated, garbled). Its data is gone:
+    the speaker must be registered again. -> DATA_LOSS"""
+
+
+class EngineDead(NotReady):
+    """The speech-token engine died (its process was killed, its step loop failed). The instance
+    cannot serve any more and is exiting. -> UNAVAILABLE"""

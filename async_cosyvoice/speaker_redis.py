@@ -22,7 +22,7 @@ import logging
 
 import redis
 
-from .errors import SpeakerExists, SpeakerNotFound
+from .errors import SpeakerCorrupt, SpeakerExists, SpeakerNotFound
 from .speakers import SpeakerInfo, SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,12 @@ class RedisSpeakerStore(SpeakerStoreBase):
         data = self._redis.get(self._record_key(speaker_id))
         if data is None:
             raise SpeakerNotFound(f"speaker {speaker_id!r} not found")
-        record = SpeakerRecord.from_bytes(data, f"redis {self._record_key(speaker_id)}")
+        try:
+            record = SpeakerRecord.from_bytes(data, f"redis {self._record_key(speaker_id)}")
+        except (ValueError, KeyError) as e:
+            log.error("speaker store %s: the record of %r is unreadable: %s", self, speaker_id, e)
+            raise SpeakerCorrupt(f"speaker {speaker_id!r}: the stored record is unreadable (truncated or "
+                                 "corrupt) and must be registered again") from None
         if record.speaker_id != speaker_id:  # written by hand under the wrong key
             log.error("speaker store %s: key of %r holds %r", self, speaker_id, record.speaker_id)
             raise SpeakerNotFound(f"speaker {speaker_id!r} not found")

@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from .errors import InvalidRequest, SpeakerExists, SpeakerNotFound
+from .errors import InvalidRequest, SpeakerCorrupt, SpeakerExists, SpeakerNotFound
 from .frontend.spk2info import load_spk2info, save_spk2info
 from .request import Voice, VoiceKind
 
@@ -204,6 +204,14 @@ def _read_header_file(path: Path) -> dict:
         return _read_header(head + f.read(n), str(path))
 
 
+def _speaker_of(path: Path) -> str:
+    """Whose record a file is, as far as its header still says."""
+    try:
+        return f"speaker {_info_from_metadata(_read_header_file(path), str(path)).speaker_id!r}"
+    except (OSError, ValueError):
+        return "speaker unknown (header unreadable)"
+
+
 def encode_page_token(last_id: str) -> str:
     return base64.urlsafe_b64encode(last_id.encode("utf-8")).decode("ascii").rstrip("=")
 
@@ -248,6 +256,11 @@ class SpeakerStoreBase(abc.ABC):
     @abc.abstractmethod
     def infos(self) -> list[SpeakerInfo]:
         """Every speaker without its arrays, sorted by id."""
+
+    def unreadable_records(self) -> list[tuple[str, str]]:
+        """(where, why) for every stored record that cannot be read, each logged; the server
+        calls it at start-up. A backend that cannot hold a torn record returns []."""
+        return []
 
     def __contains__(self, speaker_id: object) -> bool:
         try:
@@ -427,7 +440,10 @@ class SpeakerStore(SpeakerStoreBase):
                     data = f.read()
             except FileNotFoundError:
                 continue
-            record = SpeakerRecord.from_bytes(data, str(path))
+            try:
+                record = SpeakerRecord.from_bytes(data, str(path))
+            except (ValueError, KeyError) as e:
+                raise self._unreadable(speaker_id, e) from e
             if record.speaker_id != speaker_id:  # sha256 collision or a file moved by hand
                 log.error("speaker store %s: %s holds %r, not %r", self.dir, path.name,
                           record.speaker_id, speaker_id)
@@ -439,6 +455,39 @@ class SpeakerStore(SpeakerStoreBase):
                     self._cache.popitem(last=False)
             return record
         raise SpeakerNotFound(f"speaker {speaker_id!r} not found")
+
+    def _unreadable(self, speaker_id: str, error: Exception) -> SpeakerCorrupt:
+        """Log where and why (the path stays in the log), tell the caller what to do."""
+        log.error("speaker store %s: the record of %r is unreadable: %s", self.dir, speaker_id, error)
+        return SpeakerCorrupt(f"speaker {speaker_id!r}: the stored record is unreadable (truncated or "
+                              "corrupt) and must be registered again (RegisterSpeaker with overwrite, "
+                              "or DeleteSpeaker first)")
+
+    def unreadable_records(self) -> list[tuple[str, str]]:
+        """Read every record in full: (file name, reason) for each one that cannot be used, each
+        also logged. The server calls this at start-up so a corrupt store is noticed before a
+        client asks for the speaker."""
+        bad = []
+        for entry in sorted(os.scandir(self.dir), key=lambda e: e.name):
+            if not entry.name.endswith(SUFFIX) or entry.name.startswith("."):
+                continue
+            try:
+                with open(entry.path, "rb") as f:
+                    record = SpeakerRecord.from_bytes(f.read(), entry.path)
+                if speaker_file_name(record.speaker_id) != entry.name:
+                    raise ValueError(f"{entry.path}: file name does not match its speaker id "
+                                     f"{record.speaker_id!r}")
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+            except (OSError, ValueError, KeyError) as e:
+                bad.append((entry.name, f"{_speaker_of(Path(entry.path))}: {e}"))
+        for name, reason in bad:
+            log.error("speaker store %s: unreadable record %s: %s; register that speaker again",
+                      self.dir, name, reason)
+        if bad:
+            log.error("speaker store %s: %d unreadable record(s); requests for them get DATA_LOSS",
+                      self.dir, len(bad))
+        return bad
 
     def exists(self, speaker_id: str) -> bool:
         validate_speaker_id(speaker_id)

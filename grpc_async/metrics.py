@@ -2,15 +2,21 @@
 
 Each server owns its registry (several servers in one process, as in tests, do not collide).
 Engine gauges are read from `Synthesizer.engine_stats()` at scrape time, and so are the busy
-counters the device stages keep themselves (`StageStats`: LLM steps, token2wav batches).
+counters the device stages keep themselves (`StageStats`: LLM steps, token2wav batches); the
+process collector adds `process_resident_memory_bytes` & co. (what a soak watches). The port
+answers `GET /metrics` only; every other path is 404.
 """
 from __future__ import annotations
 
 import logging
+import threading
+from http.server import ThreadingHTTPServer
 from typing import Callable, Iterable
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.exposition import MetricsHandler
 
 from async_cosyvoice.stage_stats import StageStats
 
@@ -54,7 +60,11 @@ class Metrics:
         self.engine_kv_usage = Gauge(
             "cosyvoice_engine_kv_usage_ratio", "Fraction of the LM KV cache in use", registry=r)
         self.ready = Gauge("cosyvoice_ready", "1 once the model is loaded and warmed up", registry=r)
-        self._http = None
+        self.engine_alive = Gauge(
+            "cosyvoice_engine_alive", "0 once the LM engine has died (the process is exiting)", registry=r)
+        self.engine_alive.set(1)
+        ProcessCollector(registry=r)
+        self._http: ThreadingHTTPServer | None = None
 
     def bind_engine(self, stats: Callable[[], object]) -> None:
         """Read the engine gauges from `stats()` (an EngineStats) at every scrape."""
@@ -76,7 +86,9 @@ class Metrics:
 
     def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        server = ThreadingHTTPServer((host, port), _metrics_only(self.registry))
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._http = server
         bound = server.server_address[1]
         log.info("metrics on http://%s:%d/metrics", host, bound)
@@ -113,3 +125,17 @@ class _StageCollector:
             for s in stages:
                 family.add_metric([s.name], float(getattr(s, attr)))
             yield family
+
+
+def _metrics_only(registry: CollectorRegistry) -> type[MetricsHandler]:
+    """prometheus_client's handler (content negotiation, gzip, name[] filters) on /metrics only."""
+    base = MetricsHandler.factory(registry)
+
+    class Handler(base):
+        def do_GET(self) -> None:
+            if urlsplit(self.path).path != "/metrics":
+                self.send_error(404, "only /metrics is served here")
+                return
+            super().do_GET()
+
+    return Handler

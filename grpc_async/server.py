@@ -1,9 +1,19 @@
 """The CosyVoice gRPC service on grpc.aio.
 
 This module is the server's lifecycle: bind the port with health NOT_SERVING, load and warm up the
-model in the background, flip health to SERVING, and on shutdown go NOT_SERVING, drain in-flight
-streams and close the model. Also served: grpc.health.v1, server reflection, Prometheus metrics on
-a side HTTP port. The pieces live next to it: `servicer` (the RPCs), `encoding` (audio out),
+model in the background, report unreadable speaker records, flip health to SERVING, and on
+shutdown go NOT_SERVING, drain in-flight streams (those still running when the grace period ends
+get UNAVAILABLE) and close the model.
+
+If the LM engine dies (vLLM's EngineCore process killed, the native step loop failing), health
+turns NOT_SERVING at once and for good, every request gets UNAVAILABLE with the reason, and
+`serve` shuts down and returns ENGINE_DEAD_EXIT_CODE: the process exits non-zero so that the
+orchestrator (systemd, Kubernetes, Ray Serve) replaces it. We do not restart the engine in place:
+a half-dead process (KV cache, worker threads, device state of unknown health) is worse than a
+fresh one, and the orchestrator already knows how to start one.
+
+Also served: grpc.health.v1 (Check, Watch, List), server reflection, Prometheus metrics on a side
+HTTP port (`/metrics` only). The pieces live next to it: `servicer` (the RPCs), `encoding` (audio out),
 `auth` (bearer token, TLS), `metrics`.
 
 Entry points: `run(config)` (blocking, used by `async-cosyvoice serve`), `serve(config)`
@@ -27,6 +37,8 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from async_cosyvoice.config import Config
+from async_cosyvoice.errors import CosyVoiceError
+from async_cosyvoice.model_dir_error import ModelDirError
 
 from async_cosyvoice.loop_thread import LoopThread
 from async_cosyvoice.placement import create_synthesizer
@@ -43,6 +55,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("grpc_async.server")
 
+ENGINE_DEAD_EXIT_CODE = 3  # `serve`/`run`/`main` return it when the LM engine died
+STARTUP_ERROR_EXIT_CODE = 2  # a configuration or model the server cannot serve
+_END_STREAMS_WAIT = 5.0  # seconds for cancelled streams to send their UNAVAILABLE
+
+
+class HealthServicer(grpc_health.aio.HealthServicer):
+    """grpc.health.v1 with List (grpcio-health-checking's servicer leaves it unimplemented)."""
+
+    async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in self._server_status.items()})
+
 
 class CosyVoiceServer:
     """Binds the port at once (health NOT_SERVING), loads the model in the background, then flips
@@ -53,10 +78,12 @@ class CosyVoiceServer:
         self.config = config
         self.metrics = Metrics()
         self.servicer = CosyVoiceServicer(config, self.metrics)
-        self.health = grpc_health.aio.HealthServicer()
+        self.health = HealthServicer()
         self._given = synthesizer
         self._factory = synthesizer_factory
         self._loader: asyncio.Task | None = None
+        self._engine_watch: asyncio.Task | None = None
+        self.engine_died: asyncio.Future[str] | None = None  # resolves with the reason; made in start()
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -96,6 +123,7 @@ class CosyVoiceServer:
     async def _start_grpc(self) -> None:
         cfg = self.config
         limits = cfg.limits
+        self.engine_died = asyncio.get_running_loop().create_future()
         interceptors = [BearerAuthInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
         self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limits.max_message_bytes),
@@ -147,11 +175,27 @@ class CosyVoiceServer:
         self.metrics.bind_engine(synth.engine_stats)
         self.metrics.bind_stages(synth.stage_stats)
         self.metrics.registry.register(DeviceCollector(synth))
+        await asyncio.to_thread(synth.speakers.unreadable_records)  # logs each one
         if self.servicer.closing:
             return
+        self._engine_watch = asyncio.create_task(self._watch_engine(synth))
         self.metrics.ready.set(1)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("model ready in %.1f s; health SERVING", time.perf_counter() - t0)
+
+    async def _watch_engine(self, synth: "Synthesizer") -> None:
+        reason = await synth.engine.wait_dead()
+        log.critical("the speech-token engine died (%s): health NOT_SERVING, requests get UNAVAILABLE, "
+                     "the server exits with code %d", reason, ENGINE_DEAD_EXIT_CODE)
+        self.servicer.engine_failure = reason
+        self.metrics.ready.set(0)
+        self.metrics.engine_alive.set(0)
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING for good
+        # streams still rendering tokens generated before the death would run on for a while
+        left = self.servicer.end_streams(str(self.servicer.engine_dead()))
+        if left:
+            await asyncio.wait(left, timeout=_END_STREAMS_WAIT)
+        self.engine_died.set_result(reason)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until the model is loaded (re-raises a loading failure)."""
@@ -174,11 +218,20 @@ class CosyVoiceServer:
         self.metrics.ready.set(0)
         await self.health.enter_graceful_shutdown()
         log.info("shutting down: draining %d stream(s) for up to %.1f s", self.servicer.active, grace)
-        with contextlib.suppress(asyncio.TimeoutError):
+        try:
             await asyncio.wait_for(self.servicer.idle.wait(), timeout=grace)
+        except asyncio.TimeoutError:
+            left = self.servicer.end_streams(
+                f"the server shut down before this stream finished (the drain grace of {grace:g} s "
+                "ran out); retry on another instance")
+            log.warning("drain grace of %.1f s is over: ending %d stream(s) with UNAVAILABLE", grace, len(left))
+            if left:
+                await asyncio.wait(left, timeout=_END_STREAMS_WAIT)
         await self._stop_http(max(0.0, deadline - loop.time()))
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - loop.time()))
+        if self._engine_watch is not None:
+            self._engine_watch.cancel()
         if self._loader is not None and not self._loader.done():
             self._loader.cancel()
         if self._loader is not None:
@@ -189,6 +242,20 @@ class CosyVoiceServer:
         self.metrics.close()
         self._stopped.set()
         log.info("stopped")
+
+    async def serve_until(self, stop: asyncio.Event) -> int:
+        """After start(): serve until `stop` is set (0) or the LM engine dies
+        (ENGINE_DEAD_EXIT_CODE), then shut down. A loading failure is raised."""
+        waiter = asyncio.ensure_future(stop.wait())
+        try:
+            done, _ = await asyncio.wait({waiter, self._loader}, return_when=asyncio.FIRST_COMPLETED)
+            if self._loader in done and self._loader.exception() is not None:
+                raise self._loader.exception()
+            done, _ = await asyncio.wait({waiter, self.engine_died}, return_when=asyncio.FIRST_COMPLETED)
+            return ENGINE_DEAD_EXIT_CODE if self.engine_died in done else 0
+        finally:
+            waiter.cancel()
+            await self.stop()
 
     async def wait_for_termination(self) -> None:
         await self._stopped.wait()
@@ -238,8 +305,9 @@ class ServerThread:
         self.close()
 
 
-async def serve(config: Config, *, install_signal_handlers: bool = True) -> None:
-    """Run the service until SIGINT/SIGTERM, then shut down gracefully."""
+async def serve(config: Config, *, install_signal_handlers: bool = True) -> int:
+    """Run the service until SIGINT/SIGTERM, then shut down gracefully (returns 0), or until the
+    LM engine dies (returns ENGINE_DEAD_EXIT_CODE). A loading failure is raised."""
     server = CosyVoiceServer(config)
     await server.start()
     stop = asyncio.Event()
@@ -248,22 +316,14 @@ async def serve(config: Config, *, install_signal_handlers: bool = True) -> None
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.create_task(stop.wait())
-    try:
-        done, _ = await asyncio.wait({waiter, server._loader}, return_when=asyncio.FIRST_COMPLETED)
-        if server._loader in done and server._loader.exception() is not None:
-            raise server._loader.exception()
-        await waiter
-    finally:
-        waiter.cancel()
-        await server.stop()
+    return await server.serve_until(stop)
 
 
-def run(config: Config) -> None:
-    """Blocking entry point for `async-cosyvoice serve`."""
+def run(config: Config) -> int:
+    """Blocking entry point for `async-cosyvoice serve`; returns the process exit code."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(config))
+    return asyncio.run(serve(config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,8 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         config.server.host = args.host
     if args.port is not None:
         config.server.port = args.port
-    run(config)
-    return 0
+    try:
+        return run(config)
+    except (CosyVoiceError, ModelDirError) as e:  # one clear line, no traceback
+        log.error("cannot start: %s", e)
+        return STARTUP_ERROR_EXIT_CODE
 
 
 if __name__ == "__main__":

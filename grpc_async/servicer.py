@@ -20,8 +20,8 @@ import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import (CosyVoiceError, InvalidRequest, NotReady, Overloaded, SpeakerExists,
-                                   SpeakerNotFound, TextTimeout, Unsupported)
+from async_cosyvoice.errors import (CosyVoiceError, EngineDead, InvalidRequest, NotReady, Overloaded,
+                                   SpeakerCorrupt, SpeakerExists, SpeakerNotFound, TextTimeout, Unsupported)
 from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
 from async_cosyvoice.limiter import StreamLimiter
 from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest
@@ -47,6 +47,7 @@ _STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
     (SpeakerNotFound, grpc.StatusCode.NOT_FOUND),
     (SpeakerExists, grpc.StatusCode.ALREADY_EXISTS),
     (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
+    (SpeakerCorrupt, grpc.StatusCode.DATA_LOSS),
     (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
     (TextTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -136,10 +137,15 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         # shared with the HTTP front door: one limit for all synthesis streams of the process
         self.limiter = StreamLimiter(config.limits.max_concurrent_streams, on_reject=metrics.rejected.inc)
         metrics.active_streams.set_function(lambda: self.limiter.active)
+        self.engine_failure: str | None = None  # set by the server when the LM engine died
+        self._streams: set[asyncio.Task] = set()  # gRPC handler tasks holding a stream slot
+        self._ending: str | None = None  # set by end_streams: the status message of cancelled streams
 
     # ---- state ----
 
     def _synth(self) -> "Synthesizer":
+        if self.engine_failure is not None:
+            raise self.engine_dead()
         if self.closing:
             raise NotReady("the server is shutting down; retry on another instance")
         if self.synth is None or not getattr(self.synth, "ready", True):
@@ -156,11 +162,34 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         """Set while no synthesis stream runs (either front door)."""
         return self.limiter.idle
 
-    def _stream_slot(self):
-        return self.limiter.slot()
+    @contextlib.asynccontextmanager
+    async def _stream_slot(self):
+        async with self.limiter.slot():
+            task = asyncio.current_task()
+            self._streams.add(task)
+            try:
+                yield
+            finally:
+                self._streams.discard(task)
+
+    def engine_dead(self) -> EngineDead:
+        return EngineDead(f"the speech-token engine died ({self.engine_failure}); this server is "
+                          "exiting, retry on another instance")
+
+    def end_streams(self, message: str) -> list[asyncio.Task]:
+        """Cancel every synthesis stream still running (the drain grace ran out, the engine died);
+        each ends with UNAVAILABLE and `message` (see `_fail`). Returns their handler tasks."""
+        self._ending = message
+        tasks = list(self._streams)
+        for task in tasks:
+            task.cancel()
+        return tasks
 
     async def _fail(self, call: _Call, error: BaseException) -> None:
         """Turn an exception into a status (and re-raise what grpc must see)."""
+        if isinstance(error, asyncio.CancelledError) and self._ending:
+            call.status, call.detail = grpc.StatusCode.UNAVAILABLE.name, self._ending
+            await call.context.abort(grpc.StatusCode.UNAVAILABLE, self._ending)
         if isinstance(error, asyncio.CancelledError):
             try:
                 remaining = call.context.time_remaining()
@@ -172,6 +201,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             raise error
         if isinstance(error, CosyVoiceError):
             code, message = status_for(error), str(error)
+        elif self.engine_failure is not None:  # whatever a dying engine threw at its requests
+            code, message = grpc.StatusCode.UNAVAILABLE, str(self.engine_dead())
         else:
             log.exception("rpc method=%s id=%s failed", call.method, call.request_id)
             code = grpc.StatusCode.INTERNAL

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from async_cosyvoice.config import SpeakerConfig
-from async_cosyvoice.errors import InvalidRequest, SpeakerExists, SpeakerNotFound
+from async_cosyvoice.errors import InvalidRequest, SpeakerCorrupt, SpeakerExists, SpeakerNotFound
 from async_cosyvoice.request import Voice
 from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.speakers import (MAX_ID_LENGTH, SpeakerRecord, SpeakerStore, speaker_file_name,
@@ -333,7 +333,7 @@ def test_corrupt_file_is_skipped_in_listing(tmp_path):
     store.put(make_record("good"))
     (tmp_path / speaker_file_name("bad")).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     assert store.ids() == ["good"]
-    with pytest.raises(ValueError):
+    with pytest.raises(SpeakerCorrupt, match="'bad'.*registered again"):
         store.get("bad")
 
 

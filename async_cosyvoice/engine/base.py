@@ -95,4 +95,9 @@ class SpeechTokenEngine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    async def wait_dead(self) -> str:
+        """Return (a one-line reason) once the engine has died and can serve no more; it never
+        returns while the engine is healthy or after a deliberate stop()."""
+        ...
+
     def stats(self) -> EngineStats: ...

