@@ -26,7 +26,7 @@ is skipped; rerun the same command after an interruption. A failed entry is repo
 error) and the others go on; the exit status is 1 when any failed.
 
 Multi-GPU on one host: `--devices cuda:0,cuda:1,...` starts one worker process per device
-(`python -m async_cosyvoice.cli batch ... --device cuda:K --shard K/N`); worker K takes the
+(`python -m cosyvoice_cli batch ... --device cuda:K --shard K/N`); worker K takes the
 entries whose position in the list is K modulo N (the same split on every run, so resuming
 works per shard), loads its own model copy, and reports progress to the parent as JSON lines
 on stdout; the parent shows one combined progress bar and report. torchrun is not needed: the
@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from .files import atomic_writer
+from .progress import ProgressLine
 
 if TYPE_CHECKING:
     from .config import Config
@@ -185,11 +186,8 @@ class ProgressBar:
     """`[batch] ████░░ 40/100 (skipped 10, failed 0)  audio 123 s  x45.1 RT  eta 1m03s` on stderr."""
 
     def __init__(self, stream=None, enabled: bool = True, width: int = 24):
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.live = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.progress = ProgressLine(stream, enabled, log_every_s=10.0)
         self.width = width
-        self._last = 0.0
 
     def line(self, s: BatchStats) -> str:
         n, total = s.finished_entries, max(s.total, 1)
@@ -204,22 +202,10 @@ class ProgressBar:
                 f"audio {s.audio_s:.1f} s{speed}{eta}")
 
     def draw(self, s: BatchStats, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < (0.1 if self.live else 10.0):
-            return
-        self._last = now
-        if self.live:
-            self.stream.write("\r\033[K" + self.line(s))
-        else:
-            self.stream.write(self.line(s) + "\n")
-        self.stream.flush()
+        self.progress.show(self.line(s), force)
 
     def close(self, s: BatchStats) -> None:
-        if self.enabled:
-            self.stream.write(("\r\033[K" if self.live else "") + self.line(s) + "\n")
-            self.stream.flush()
+        self.progress.end(self.line(s))
 
 
 def _duration(seconds: float) -> str:
@@ -332,7 +318,9 @@ async def run_batch(config: "Config", entries: Sequence[Entry], *, concurrency: 
 
 def worker_argv(args, device: str, index: int, count: int) -> list[str]:
     """The command line of the worker for `device` (shard index/count)."""
-    argv = [sys.executable, "-m", "async_cosyvoice.cli", "batch", "--data-list", str(args.data_list),
+    # the worker is the command line (cosyvoice_cli, above this library) run again: started as a
+    # process, never imported from here
+    argv = [sys.executable, "-m", "cosyvoice_cli", "batch", "--data-list", str(args.data_list),
             "--out-dir", str(args.out_dir), "--device", device, "--shard", f"{index}/{count}", "--worker",
             "--seed", str(args.seed)]
     for flag, value in (("--config", args.config), ("--model-dir", args.model_dir),

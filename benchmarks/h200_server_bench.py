@@ -14,7 +14,7 @@ Steps (each timed; the results say how long):
    change), same machine, same call: ms per decode step at each batch size, graphs only (and
    with torch.compile when `--llm-compile`);
 2. `make_random_model(preset)` (full-size CosyVoice2-0.5B by default) into /tmp;
-3. the server: `python -m async_cosyvoice.cli serve --config C` in a child process, C being
+3. the server: `python -m cosyvoice_cli serve --config C` in a child process, C being
    `--config` (default configs/gpu.yaml) with the model directory, a scratch speaker store and
    free local ports filled in; start-up time = spawn until health turns SERVING;
 4. a speaker registered over gRPC from a generated 6 s prompt (150 prompt tokens); the first
@@ -166,7 +166,7 @@ def format_llm(llm: dict) -> str:
 # -- 3-8. the server -----------------------------------------------------------------------
 
 class ServerProcess:
-    """`python -m async_cosyvoice.cli serve --config <file>` in a child process."""
+    """`python -m cosyvoice_cli serve --config <file>` in a child process."""
 
     def __init__(self, config: Config, workdir: Path, log_path: Path):
         self.config = config
@@ -189,7 +189,7 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "async_cosyvoice.cli", "serve", "--config",
+        self.proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_cli", "serve", "--config",
                                       str(self.config_path)], stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      cwd=REPO)
 

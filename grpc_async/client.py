@@ -1,4 +1,4 @@
-"""Async client for the CosyVoice gRPC service, and the `async-cosyvoice client` CLI.
+"""Async client for the CosyVoice gRPC service (the command line is `async-cosyvoice ... --target`).
 
     import asyncio
     from grpc_async.client import CosyVoiceClient, collect
@@ -20,11 +20,9 @@ default encoding is the server's (PCM16; `encoding=None` leaves it UNSPECIFIED).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterable, AsyncIterator, Iterable, Sequence, Union
@@ -329,10 +327,10 @@ class CosyVoiceClient:
         return await self.stub.ListSpeakers(pb2.ListSpeakersRequest(page_size=page_size, page_token=page_token),
                                             timeout=timeout, metadata=self._md())
 
-    async def all_speakers(self, page_size: int = 0) -> list[pb2.Speaker]:
+    async def all_speakers(self, page_size: int = 0, timeout: float | None = None) -> list[pb2.Speaker]:
         out, token = [], ""
         while True:
-            page = await self.list_speakers(page_size, token)
+            page = await self.list_speakers(page_size, token, timeout=timeout)
             out.extend(page.speakers)
             token = page.next_page_token
             if not token:
@@ -344,131 +342,3 @@ class CosyVoiceClient:
 
     async def get_server_info(self, timeout: float | None = None) -> pb2.GetServerInfoResponse:
         return await self.stub.GetServerInfo(pb2.GetServerInfoRequest(), timeout=timeout, metadata=self._md())
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI: async-cosyvoice client ...
-
-
-def _speaker_line(s: pb2.Speaker) -> str:
-    kind = pb2.SpeakerKind.Name(s.kind).removeprefix("SPEAKER_KIND_").lower()
-    created = s.created_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if s.HasField("created_at") else "-"
-    return f"{s.speaker_id}\t{kind}\t{s.prompt_seconds:.2f}s\t{created}\t{s.prompt_text}"
-
-
-def write_wav(path: str | os.PathLike, audio: np.ndarray, sample_rate: int) -> None:
-    import soundfile as sf
-
-    sf.write(str(path), np.clip(audio, -1.0, 1.0), sample_rate, subtype="PCM_16")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="async-cosyvoice client", description="Call a CosyVoice gRPC server.")
-    p.add_argument("--target", default=os.environ.get("ASYNC_COSYVOICE_TARGET", DEFAULT_TARGET),
-                   help=f"host:port (default {DEFAULT_TARGET}, env ASYNC_COSYVOICE_TARGET)")
-    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token (env {TOKEN_ENV})")
-    p.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-cert)")
-    p.add_argument("--ca-cert", help="PEM root certificate for TLS")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("synthesize", help="synthesize text to a wav file")
-    s.add_argument("--text", required=True, help="text to speak ('-' reads stdin)")
-    s.add_argument("--speaker", help="registered speaker id")
-    s.add_argument("--mode", choices=MODES, help="default: inferred from the other arguments")
-    s.add_argument("--prompt-wav", help="prompt audio file (wav/flac/ogg)")
-    s.add_argument("--prompt-text", help="transcript of the prompt audio (zero-shot)")
-    s.add_argument("--instruct", help="instruction (instruct2 modes)")
-    s.add_argument("--source-wav", help="source audio for voice conversion (--mode vc)")
-    s.add_argument("--stream", action="store_true", help="stream chunks (prints first-chunk latency)")
-    s.add_argument("--speed", type=float)
-    s.add_argument("--no-text-frontend", action="store_true", help="skip text normalization")
-    s.add_argument("--sample-rate", type=int, default=0, help="output rate (default: native 24000)")
-    s.add_argument("--seed", type=int)
-    s.add_argument("--max-tokens", type=int, help="generate exactly this many speech tokens per "
-                   "segment, ignoring EOS (benchmarks; capped by the server's limits.max_forced_tokens)")
-    s.add_argument("--encoding", choices=ENCODINGS, default="pcm16",
-                   help="what the server sends (default pcm16, the server's default; the raw ones are "
-                        "written as a 16-bit .wav); "
-                        "opus/webm/mp3/aac/flac are written to --out as they arrive, e.g. out.opus")
-    s.add_argument("--out", required=True, help="output file (.wav for pcm16/float32/wav)")
-
-    r = sub.add_parser("register", help="register a speaker from prompt audio")
-    r.add_argument("--speaker", required=True)
-    r.add_argument("--prompt-wav", required=True)
-    r.add_argument("--prompt-text", required=True)
-    r.add_argument("--overwrite", action="store_true")
-
-    sp = sub.add_parser("speakers", help="list / show / delete speakers")
-    sp.add_argument("action", nargs="?", default="ls", choices=("ls", "show", "rm"))
-    sp.add_argument("speaker", nargs="?")
-    return p
-
-
-async def _run(args) -> int:
-    tls = (args.ca_cert or True) if (args.tls or args.ca_cert) else False
-    async with CosyVoiceClient(args.target, token=args.token, tls=tls) as client:
-        if args.command == "synthesize":
-            text = sys.stdin.read() if args.text == "-" else args.text
-            mode = args.mode
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            first = None
-
-            async def timed():
-                nonlocal first
-                async for chunk in client.synthesize(
-                        text, mode=mode, speaker_id=args.speaker, prompt_audio=args.prompt_wav,
-                        prompt_text=args.prompt_text, instruct_text=args.instruct, source_audio=args.source_wav,
-                        stream=args.stream, speed=args.speed,
-                        text_frontend=False if args.no_text_frontend else None,
-                        encoding=args.encoding, sample_rate=args.sample_rate, seed=args.seed,
-                        max_tokens=args.max_tokens, timeout=args.timeout):
-                    if first is None and chunk.num_samples:
-                        first = loop.time() - t0
-                    yield chunk
-
-            result = await collect(timed())
-            if result.encoding in RAW_ENCODINGS:
-                write_wav(args.out, result.audio, result.sample_rate)
-            else:
-                Path(args.out).write_bytes(result.data)
-            s = result.summary
-            print(f"wrote {args.out}: {len(result.audio) / result.sample_rate:.2f} s at {result.sample_rate} Hz, "
-                  f"{result.chunks} chunk(s), {s.speech_tokens} speech tokens, first chunk "
-                  f"{(first or 0) * 1e3:.0f} ms (server {s.first_chunk_latency_seconds * 1e3:.0f} ms), "
-                  f"RTF {s.rtf:.3f}")
-        elif args.command == "register":
-            s = await client.register_speaker(args.speaker, args.prompt_text, args.prompt_wav,
-                                              overwrite=args.overwrite, timeout=args.timeout)
-            print(_speaker_line(s))
-        elif args.action == "ls":
-            for s in await client.all_speakers():
-                print(_speaker_line(s))
-        else:
-            if not args.speaker:
-                raise SystemExit(f"async-cosyvoice client speakers {args.action}: give a speaker id")
-            if args.action == "show":
-                print(_speaker_line(await client.get_speaker(args.speaker, timeout=args.timeout)))
-            else:
-                await client.delete_speaker(args.speaker, timeout=args.timeout)
-                print(f"deleted {args.speaker}")
-    return 0
-
-
-def client_main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        return asyncio.run(_run(args))
-    except grpc.aio.AioRpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-
-
-main = client_main
-
-if __name__ == "__main__":
-    raise SystemExit(client_main())

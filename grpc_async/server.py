@@ -37,9 +37,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import CosyVoiceError
-from async_cosyvoice.model_dir_error import ModelDirError
-
+from async_cosyvoice.errors import CosyVoiceError, ModelDirError
 from async_cosyvoice.loop_thread import LoopThread
 from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.tts import Synthesizer

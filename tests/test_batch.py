@@ -62,7 +62,7 @@ def test_a_bad_line_is_named(tmp_path, prompt, bad, message):
 
 
 def test_cli_reports_a_corrupt_line(tmp_path, prompt, capsys):
-    from async_cosyvoice.cli import main
+    from cosyvoice_cli.cli import main
 
     data = _write_list(tmp_path / "data.jsonl", [
         {"key": "a", "text": "one", "prompt_wav": "prompts/p.wav"},
@@ -117,7 +117,7 @@ def test_worker_argv_passes_the_options_through(tmp_path):
                      speakers_dir=None, engine="native", concurrency=16, tokens=None, llm_dtype="bfloat16",
                      flow_dtype=None, no_text_frontend=True)
     argv = batch.worker_argv(args, "cuda:1", 1, 2)
-    assert argv[1:4] == ["-m", "async_cosyvoice.cli", "batch"]
+    assert argv[1:4] == ["-m", "cosyvoice_cli", "batch"]
     s = " ".join(argv)
     assert "--device cuda:1 --shard 1/2 --worker" in s and "--model-dir m" in s and "--concurrency 16" in s
     assert "--llm-dtype bfloat16" in s and "--no-text-frontend" in s and "--tokens" not in s
@@ -130,7 +130,7 @@ TOKENS = 20
 
 @pytest.mark.slow
 def test_batch_writes_playable_wavs_and_resumes(tiny_dir, golden_dir, tmp_path, capsys):
-    from async_cosyvoice.cli import main
+    from cosyvoice_cli.cli import main
 
     prompt = golden_dir / "prompt_24k.wav"
     data = _write_list(tmp_path / "data.jsonl", [

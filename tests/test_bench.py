@@ -174,7 +174,7 @@ TOKENS = 20
 
 @pytest.mark.slow
 def test_cli_bench_in_process_sweep_and_t2w_compare(tiny_dir, tmp_path, capsys):
-    from async_cosyvoice.cli import main
+    from cosyvoice_cli.cli import main
 
     out = tmp_path / "r.json"
     rc = main(["bench", "--in-process", "--model-dir", str(tiny_dir), "--concurrency", "1,2", "--requests", "2",
@@ -263,7 +263,7 @@ def _check_open_level(lv, rate, duration, seed):
 
 @pytest.mark.slow
 def test_open_loop_and_capacity_over_grpc(server, tmp_path, capsys):
-    from async_cosyvoice.cli import main
+    from cosyvoice_cli.cli import main
 
     out = tmp_path / "open.json"
     rc = main(["bench", "--target", server.target, "--metrics", f"127.0.0.1:{server.server.metrics_port}",

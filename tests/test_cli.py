@@ -1,10 +1,11 @@
-"""The `async-cosyvoice` command line: synthesize (every voice source) and the speakers commands."""
+"""The `async-cosyvoice` command line in-process: synthesize (every voice source) and the speakers
+commands (tests/test_client.py runs the same verbs with --target against a server)."""
 import json
 
 import pytest
 import soundfile as sf
 
-from async_cosyvoice.cli import main
+from cosyvoice_cli.cli import main
 
 
 @pytest.fixture
@@ -33,6 +34,7 @@ def test_register_then_synthesize_by_id(common, tiny_dir, tmp_path, capsys):
     audio16, rate16 = sf.read(resampled)
     assert rate16 == 16000 and audio16.shape == (30 * 640,)
 
+    capsys.readouterr()
     assert main(["speakers", "show", "alice", *common]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["kind"] == "zero_shot" and shown["speech_feat"][0] == 2 * shown["speech_tokens"]
@@ -75,12 +77,18 @@ def test_bad_input_is_an_error_not_a_traceback(common, tiny_dir, tmp_path, capsy
 @pytest.mark.slow
 def test_config_first_hop_is_honoured(common, tiny_dir, tmp_path, capsys):
     """The configured token2wav.first_hop sets the first streamed chunk (15 + 3 lookahead tokens by
-    default): 20 tokens -> 20 x 960 samples, minus the 3840 HiFT keeps for the cross-fade."""
+    default): 20 tokens -> 20 x 960 samples, minus the 3840 HiFT keeps for the cross-fade. The
+    progress line (stderr) ends with the last chunk; the summary (stdout) tells the first. Written as
+    Ogg Opus at 48 kHz by the library's encoder, as a server would send it."""
     config = tmp_path / "c.yaml"
     config.write_text("token2wav:\n  first_hop: 20\n  adaptive: false\n")
     prompt = str(tiny_dir / "golden" / "prompt_24k.wav")
+    out = tmp_path / "o.opus"
     assert main(["synthesize", "--prompt-wav", prompt, "--text", "Hello there.", "--stream", "--max-tokens", "40",
-                 "--config", str(config), "--out", str(tmp_path / "o.wav"), *common]) == 0
-    progress = capsys.readouterr().err
-    first = progress.split("\r")[1]  # "chunk   0  segment 1  audio   0.64 s  elapsed ..."
-    assert first.split()[:2] == ["chunk", "0"] and f"audio {(20 * 960 - 3840) / 24000:6.2f} s" in first
+                 "--encoding", "opus", "--sample-rate", "48000", "--config", str(config), "--out", str(out),
+                 *common]) == 0
+    assert out.read_bytes()[:4] == b"OggS" and sf.info(out).frames == 40 * 960 * 2
+    said = capsys.readouterr()
+    assert f"({(20 * 960 - 3840) / 24000:.2f} s of audio)" in said.out and "40 speech tokens" in said.out
+    last = said.err.splitlines()[-1].split()  # "chunk   N  audio   1.60 s  elapsed ..." (not a terminal)
+    assert last[0] == "chunk" and int(last[1]) >= 1 and last[3] == f"{40 * 960 / 24000:.2f}"

@@ -1,10 +1,11 @@
-"""The async client library and the `async-cosyvoice client` CLI against a real server
-(fixture model, bearer auth on), plus TLS and graceful shutdown."""
+"""The async client library and `async-cosyvoice synthesize|speakers --target` against a real
+server (fixture model, bearer auth on), the same verbs in-process, plus TLS and graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
 import datetime
 import ipaddress
+import json
 
 import grpc
 import numpy as np
@@ -13,7 +14,8 @@ import soundfile as sf
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
-from grpc_async.client import CosyVoiceClient, client_main, collect, fix_wav_sizes
+from cosyvoice_cli.cli import main
+from grpc_async.client import CosyVoiceClient, collect, fix_wav_sizes
 from grpc_async.encoding import wav_header
 from grpc_async.server import ServerThread
 
@@ -43,8 +45,8 @@ def cli(server, monkeypatch, capsys):
     monkeypatch.delenv("ASYNC_COSYVOICE_TOKEN", raising=False)
 
     def call(*args: str, token: str | None = TOKEN) -> tuple[int, str, str]:
-        argv = ["--target", server.target] + (["--token", token] if token else []) + list(args)
-        rc = client_main(argv)
+        argv = list(args) + ["--target", server.target] + (["--token", token] if token else [])
+        rc = main(argv)
         out = capsys.readouterr()
         return rc, out.out, out.err
     return call
@@ -53,14 +55,15 @@ def cli(server, monkeypatch, capsys):
 @pytest.mark.slow
 def test_cli_register_list_show_synthesize_delete(cli, golden_dir, tmp_path):
     prompt = str(golden_dir / "prompt_24k.wav")
-    rc, out, err = cli("register", "--speaker", "cli-bob", "--prompt-wav", prompt, "--prompt-text", PROMPT_TEXT)
+    rc, out, err = cli("speakers", "add", "cli-bob", "--prompt-wav", prompt, "--prompt-text", PROMPT_TEXT)
     assert rc == 0, err
     assert out.startswith("cli-bob\tzero_shot\t")
 
-    rc, out, _ = cli("speakers")
+    rc, out, _ = cli("speakers", "list")
     assert rc == 0 and "cli-bob\t" in out and "tiny_zs_spk\t" in out and "tiny_sft_spk\tsft" in out
     rc, out, _ = cli("speakers", "show", "cli-bob")
-    assert rc == 0 and out.startswith("cli-bob\tzero_shot")
+    shown = json.loads(out)
+    assert rc == 0 and shown["kind"] == "zero_shot" and shown["prompt_text"] == PROMPT_TEXT
 
     wav = tmp_path / "bob.wav"
     rc, out, err = cli("synthesize", "--text", "Hello from the command line.", "--speaker", "cli-bob",
@@ -82,7 +85,7 @@ def test_cli_register_list_show_synthesize_delete(cli, golden_dir, tmp_path):
     rc, out, err = cli("speakers", "rm", "cli-bob")
     assert rc == 0 and "deleted cli-bob" in out
     rc, out, err = cli("speakers", "show", "cli-bob")
-    assert rc == 1 and "NOT_FOUND" in err and "cli-bob" in err
+    assert rc == 2 and "NOT_FOUND" in err and "cli-bob" in err
 
 
 @pytest.mark.slow
@@ -111,7 +114,7 @@ def test_cli_max_tokens_and_compressed_encoding(cli, tmp_path):
     assert rate == 48000 and len(audio) == 30 * 960 * 2         # Ogg granules trim exactly
     rc, _, err = cli("synthesize", "--text", "Hi.", "--speaker", "tiny_sft_spk", "--mode", "sft",
                      "--encoding", "opus", "--sample-rate", "44100", "--out", str(tmp_path / "x.opus"))
-    assert rc == 1 and "INVALID_ARGUMENT" in err and "opus supports sample rates" in err
+    assert rc == 2 and "INVALID_ARGUMENT" in err and "opus supports sample rates" in err
 
 
 def test_client_default_encoding_is_the_servers(server):
@@ -149,17 +152,70 @@ def test_docstring_example_runs(server, golden_dir, tmp_path, monkeypatch):
     assert sf.info(tmp_path / "hello.opus").duration > 0
 
 
-def test_cli_errors(cli, tmp_path):
-    rc, _, err = cli("speakers", token=None)
-    assert rc == 1 and "UNAUTHENTICATED" in err
-    rc, _, err = cli("speakers", token="wrong")
-    assert rc == 1 and "UNAUTHENTICATED" in err
-    rc, _, err = cli("register", "--speaker", "../evil", "--prompt-wav", str(tmp_path / "missing.wav"),
+def test_cli_errors(cli, tmp_path, capsys):
+    rc, _, err = cli("speakers", "list", token=None)
+    assert rc == 2 and "UNAUTHENTICATED" in err
+    rc, _, err = cli("speakers", "list", token="wrong")
+    assert rc == 2 and "UNAUTHENTICATED" in err
+    rc, _, err = cli("speakers", "add", "../evil", "--prompt-wav", str(tmp_path / "missing.wav"),
                      "--prompt-text", "x")
-    assert rc == 1 and "missing.wav" in err
+    assert rc == 2 and "missing.wav" in err
     rc, _, err = cli("synthesize", "--text", "Hi.", "--speaker", "nobody", "--out", str(tmp_path / "x.wav"))
-    assert rc == 1 and "NOT_FOUND" in err
+    assert rc == 2 and "NOT_FOUND" in err
     assert not (tmp_path / "x.wav").exists()
+    rc, _, err = cli("synthesize", "--text", "Hi.", "--speaker", "nobody", "--model-dir", str(tmp_path),
+                     "--out", str(tmp_path / "x.wav"))
+    assert rc == 2 and "--model-dir: in-process only" in err
+    rc, _, err = cli("synthesize", "--text", "Hi.", "--speaker", "nobody", "--save-tokens", str(tmp_path / "t.json"),
+                     "--out", str(tmp_path / "x.wav"))
+    assert rc == 2 and "--save-tokens: in-process only" in err
+    rc, _, err = cli("synthesize", "--text", "Hi.", "--out", str(tmp_path / "x.wav"))
+    assert rc == 2 and "give a voice" in err
+    with pytest.raises(SystemExit) as e:  # import/export work on a local store only: no --target
+        cli("speakers", "import", str(tmp_path / "spk2info.pt"))
+    assert e.value.code == 2
+    assert main(["speakers", "list", "--token", TOKEN, "--speakers-dir", str(tmp_path)]) == 2
+    assert "--token: only with --target" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_same_verbs_in_process_and_by_a_server(cli, server, tiny_dir, tmp_path, capsys):
+    """`speakers list|show` and `synthesize` print the same things and write the same audio in-process
+    (on a store of their own) and with --target (the server's store), from the same spk2info."""
+    local = ["--model-dir", str(tiny_dir), "--speakers-dir", str(tmp_path / "spk")]
+    assert main(["speakers", "import", str(tiny_dir / "spk2info.pt"), "--speakers-dir", str(tmp_path / "spk")]) == 0
+    capsys.readouterr()
+
+    def without_created(listing: str) -> list[list[str]]:
+        return [[f for i, f in enumerate(row.split("\t")) if i != 3] for row in listing.splitlines()]
+
+    assert main(["speakers", "list", *local]) == 0
+    here = without_created(capsys.readouterr().out)
+    rc, there, err = cli("speakers", "list")
+    assert rc == 0, err
+    assert here and all(row in without_created(there) for row in here)
+    assert ["tiny_sft_spk", "sft", "0.00s", ""] in here
+
+    assert main(["speakers", "show", "tiny_zs_spk", *local]) == 0
+    shown_here = json.loads(capsys.readouterr().out)
+    rc, out, err = cli("speakers", "show", "tiny_zs_spk")
+    shown_there = json.loads(out)
+    assert rc == 0, err
+    assert {k: v for k, v in shown_here.items() if k in shown_there and k != "created_at"} == {
+        k: v for k, v in shown_there.items() if k != "created_at"}
+
+    args = ["synthesize", "--text", "Both ways.", "--mode", "sft", "--speaker", "tiny_sft_spk", "--seed", "5",
+            "--max-tokens", "12", "--stream"]
+    assert main([*args, "--out", str(tmp_path / "here.wav"), *local]) == 0
+    said_here = capsys.readouterr().out
+    rc, said_there, err = cli(*args, "--out", str(tmp_path / "there.wav"))
+    assert rc == 0, err
+    for said in (said_here, said_there):
+        assert "at 24000 Hz" in said and "12 speech tokens" in said
+    here_audio, rate_here = sf.read(tmp_path / "here.wav", dtype="float32")
+    there_audio, rate_there = sf.read(tmp_path / "there.wav", dtype="float32")
+    assert rate_here == rate_there == 24000 and len(here_audio) == len(there_audio) == 12 * 960
+    assert np.abs(here_audio - there_audio).max() <= 1.5 / 32768  # the same audio; two 16-bit writers round
 
 
 def test_library_auth_and_health(server):

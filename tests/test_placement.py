@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from async_cosyvoice.cli import main as cli_main
+from cosyvoice_cli.cli import main as cli_main
 from async_cosyvoice.config import Config
 from async_cosyvoice.placement import ReplicaRouter, Token2WavPool, device_stats
 from grpc_async.client import CosyVoiceClient, chunk_samples

@@ -20,7 +20,7 @@ import ray
 from ray import serve
 from ray.serve.config import gRPCOptions, HTTPOptions
 
-from async_cosyvoice.cli import main as cli_main
+from cosyvoice_cli.cli import main as cli_main
 from async_cosyvoice.config import Config
 from grpc_async import pb2, pb2_grpc
 from grpc_async.client import CosyVoiceClient, audio_data
