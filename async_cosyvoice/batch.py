@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from .files import atomic_writer
+from .files import atomic_writer, write_json
 from .progress import ProgressLine
 
 if TYPE_CHECKING:
@@ -481,6 +481,5 @@ def _finish(report: dict, args) -> int:
     for message in report.get("worker_errors", []):
         print(f"error: {message}", file=sys.stderr)
     if args.report:
-        from .bench import write_json
         write_json(report, args.report)
     return 1 if report["failed"] or report.get("worker_errors") else 0

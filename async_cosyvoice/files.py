@@ -5,6 +5,7 @@ place (atomic on one filesystem), so a reader finds the old version, the new one
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -89,3 +90,10 @@ def atomic_directory(path: str | Path, finished: Callable[[Path], bool] = lambda
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(obj, path: str | Path) -> Path:
+    """A report as indented JSON, written atomically (values JSON cannot hold become strings)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_bytes(path, (json.dumps(obj, indent=1, default=str) + "\n").encode(), fsync=False)

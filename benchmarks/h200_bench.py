@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from async_cosyvoice import bench
+from cosyvoice_cli import bench
 from async_cosyvoice.config import Config
 from async_cosyvoice.random_model import make_random_model
 

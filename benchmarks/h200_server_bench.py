@@ -52,7 +52,7 @@ from pathlib import Path
 
 import yaml
 
-from async_cosyvoice import bench
+from cosyvoice_cli import bench
 from async_cosyvoice.config import Config
 from async_cosyvoice.tools.make_random_model import make_random_model
 

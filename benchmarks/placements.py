@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import tempfile
 
-from async_cosyvoice import bench
+from cosyvoice_cli import bench
 from async_cosyvoice.config import Config
 from grpc_async.server import ServerThread
 

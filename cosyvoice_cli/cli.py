@@ -7,11 +7,11 @@ import sys
 
 import grpc
 
-from async_cosyvoice import batch, bench
+from async_cosyvoice import batch
 from async_cosyvoice.errors import CosyVoiceError, ModelDirError
 from grpc_async.server import run as run_server
 
-from . import speakers, synthesize
+from . import bench, speakers, synthesize
 from .options import add_local, config_from_args
 
 

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from async_cosyvoice import bench
-from async_cosyvoice.bench import RequestResult, underruns
+from cosyvoice_cli import bench
+from cosyvoice_cli.bench import RequestResult, underruns
 
 
 # -- underruns ---------------------------------------------------------------------------------

@@ -17,9 +17,6 @@ LIBRARY = Path(async_cosyvoice.__file__).parent
 ROOT = LIBRARY.parent
 PACKAGES = ("async_cosyvoice", "cosyvoice_cli", "grpc_async", "http_api", "ray_app")
 FORBIDDEN = ("grpc_async", "http_api", "ray_app", "cosyvoice_cli", "async_cosyvoice.tools")
-# TODO(coordinator): the bench moves out of the library (next to cosyvoice_cli) and takes its gRPC
-# target with it; then delete this exception (the test fails once nothing in it is used).
-ALLOWED_IMPORTER, ALLOWED_TARGET = "async_cosyvoice.bench", "grpc_async"
 
 
 def module_name(path: Path) -> str:
@@ -94,8 +91,8 @@ def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read():
     edges = graph()
     assert "async_cosyvoice.request" in edges["async_cosyvoice.tts"]
-    assert "async_cosyvoice.progress" in edges["async_cosyvoice.bench.progress"]
     above = graph(PACKAGES)
+    assert "async_cosyvoice.progress" in above["cosyvoice_cli.bench.progress"]
     assert {"grpc_async.server", "cosyvoice_cli.speakers"} <= above["cosyvoice_cli.cli"]
 
 
@@ -112,9 +109,7 @@ def test_the_library_imports_no_transport_cli_or_tools():
                 continue
             if any(target == f or target.startswith(f + ".") for f in FORBIDDEN):
                 found.add((module, target))
-    allowed = {(m, t) for m, t in found if m.startswith(ALLOWED_IMPORTER + ".") and t.startswith(ALLOWED_TARGET)}
-    assert found - allowed == set()
-    assert allowed, "the bench no longer imports grpc_async: remove the ALLOWED_* exception"
+    assert found == set()
 
 
 def test_a_circle_would_be_found():

@@ -12,13 +12,13 @@ from .metrics import RequestResult, summarize_level
 from .progress import Progress
 
 if TYPE_CHECKING:
-    from ..token2wav_batcher import Token2WavBatcher
-    from ..tts import Synthesizer
+    from async_cosyvoice.token2wav_batcher import Token2WavBatcher
+    from async_cosyvoice.tts import Synthesizer
 
 
 def _t2w_schedule(synth: "Synthesizer", first_hop: int | None):
     """The chunk schedule `Synthesizer` uses for a streamed request."""
-    from ..token2wav import ChunkSchedule
+    from async_cosyvoice.token2wav import ChunkSchedule
 
     dims = synth.dims
     return ChunkSchedule(first_hop=first_hop or synth.config.token2wav.first_hop,
@@ -31,7 +31,7 @@ async def _t2w_round(synth: "Synthesizer", batcher, voice, token_lists: Sequence
                      seed: int) -> dict:
     import torch
 
-    from ..token2wav import Token2WavStream
+    from async_cosyvoice.token2wav import Token2WavStream
 
     prompt_token = torch.from_numpy(np.array(voice.flow_prompt_speech_token, np.int32)).reshape(1, -1)
     prompt_feat = torch.from_numpy(np.array(voice.prompt_speech_feat, np.float32))[None]
@@ -81,9 +81,9 @@ async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int,
 
     Both modes use the synthesizer's own Token2WavRunner through a fresh Token2WavBatcher; the
     synthesizer must be idle meanwhile. Throughput = audio seconds rendered / wall seconds."""
-    from ..frontend.model_input import build_model_input
-    from ..request import Mode
-    from ..token2wav_batcher import Token2WavBatcher
+    from async_cosyvoice.frontend.model_input import build_model_input
+    from async_cosyvoice.request import Mode
+    from async_cosyvoice.token2wav_batcher import Token2WavBatcher
 
     record = synth.speakers.get(speaker_id)
     voice = build_model_input(Mode.ZERO_SHOT_BY_SPK_ID, record.voice, text_tokens=(0,))

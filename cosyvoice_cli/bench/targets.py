@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol
 from .workload import SpeakerSpec, Workload
 
 if TYPE_CHECKING:
-    from ..tts import Synthesizer
+    from async_cosyvoice.tts import Synthesizer
 
 
 class Target(Protocol):
@@ -26,7 +26,7 @@ class InProcessTarget:
         self.synth = synth
 
     async def stream(self, workload: Workload, seed: int) -> AsyncIterator[float]:
-        from ..request import Mode, SynthesisOptions, SynthesisRequest
+        from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
 
         opts = SynthesisOptions(stream=workload.stream, seed=seed, max_tokens=workload.tokens,
                                 **({"first_hop": workload.first_hop} if workload.first_hop else {}))

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Mapping, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..stage_stats import StageStats
+from async_cosyvoice.stage_stats import StageStats
 
 if TYPE_CHECKING:
-    from ..tts import Synthesizer
+    from async_cosyvoice.tts import Synthesizer
 
 # Prometheus counter (without `_total`) -> StageStats field
 PROMETHEUS_FIELDS = {"cosyvoice_stage_busy_seconds": "busy_s", "cosyvoice_stage_calls": "calls",

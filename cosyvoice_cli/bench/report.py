@@ -2,13 +2,9 @@
 run, and the results JSON (written atomically)."""
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import platform
-import tempfile
 import time
-from pathlib import Path
 from typing import Sequence
 
 
@@ -64,18 +60,3 @@ def format_t2w(cmp: dict) -> str:
             f"  speedup {speed} (target >= {cmp['target_speedup']:g}x: {'met' if cmp.get('met') else 'NOT met'})")
 
 
-def write_json(results: dict, path: str | Path) -> Path:
-    """Atomic write (temporary file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path

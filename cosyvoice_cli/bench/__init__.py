@@ -56,7 +56,9 @@ from .cli import add_arguments, main, parse_int_list
 from .metrics import PERCENTILES, RequestResult, summarize, summarize_level, underruns
 from .plots import write_plots
 from .progress import Progress
-from .report import environment, format_t2w, format_table, write_json
+from async_cosyvoice.files import write_json
+
+from .report import environment, format_t2w, format_table
 from .open_loop import CapacityCriteria, capacity_search, format_capacity, format_open_loop, poisson_arrivals
 from .open_loop import run_open_loop
 from .runner import run_level, run_request, run_sweep, warm_up

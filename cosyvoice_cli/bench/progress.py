@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..progress import ProgressLine
+from async_cosyvoice.progress import ProgressLine
 
 if TYPE_CHECKING:
     from .metrics import RequestResult

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..request import Audio
+    from async_cosyvoice.request import Audio
 
 SECONDS_PER_TOKEN = 0.04  # 25 speech tokens per second
 DEFAULT_TEXT = ("The quick brown fox jumps over the lazy dog, and the morning train "
@@ -50,7 +50,7 @@ def requests_per_level(levels: Sequence[int], requests: int | Sequence[int] | Ma
 def synthetic_prompt(seconds: float = 6.0, sample_rate: int = 16000, seed: int = 0) -> "Audio":
     """A speech-like test signal: a harmonic voice with a wandering pitch, syllable-rate
     amplitude bursts and a little noise. Deterministic for a seed."""
-    from ..request import Audio
+    from async_cosyvoice.request import Audio
 
     rng = np.random.default_rng(seed)
     n = int(round(seconds * sample_rate))
@@ -75,6 +75,6 @@ class SpeakerSpec:
 
     def audio(self) -> "Audio":
         if self.prompt_wav is not None:
-            from ..frontend.audio import load_audio
+            from async_cosyvoice.frontend.audio import load_audio
             return load_audio(self.prompt_wav)
         return synthetic_prompt(self.prompt_seconds, seed=self.seed)

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Callable
 from .plots import write_plots
 from .progress import Progress
 from .open_loop import CapacityCriteria, format_capacity, format_open_loop
-from .report import format_t2w, format_table, write_json
+from async_cosyvoice.files import write_json
+
+from .report import format_t2w, format_table
 from .session import OpenLoopPlan, bench_grpc, bench_in_process
 from .workload import DEFAULT_PROMPT_TEXT, DEFAULT_SPEAKER, DEFAULT_TEXT, SpeakerSpec, Workload, requests_per_level
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from async_cosyvoice.config import Config
 
 
 def parse_int_list(text: str) -> list[int]:

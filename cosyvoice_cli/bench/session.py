@@ -18,7 +18,7 @@ from .targets import GrpcTarget, InProcessTarget, Target, register_grpc, registe
 from .workload import SpeakerSpec, Workload
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from async_cosyvoice.config import Config
 
 DEFAULT_WARMUP_CONCURRENCY = 4  # when no closed-loop level says how many streams to warm up with
 
@@ -56,7 +56,7 @@ async def bench_in_process(config: "Config", workload: Workload, levels: Sequenc
                            detail: bool = True, open_loop: OpenLoopPlan | None = None) -> dict:
     """Build a Synthesizer from `config`, register the speaker, sweep (closed and/or open loop),
     and optionally compare token2wav batched vs sequential. Returns the results dict."""
-    from ..tts import Synthesizer
+    from async_cosyvoice.tts import Synthesizer
 
     progress = progress or Progress(enabled=False)
     t = time.monotonic()
