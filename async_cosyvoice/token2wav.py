@@ -284,10 +284,11 @@ def adaptive_hop(schedule: ChunkSchedule, grown_hop: int, pending: int, lead_s: 
     pending: target tokens generated but not yet rendered. lead_s: audio already sent that has
     not been played yet. chunk_s: recent compute time of one chunk; token_s: recent time per LLM token.
 
-    Each chunk re-runs the flow over the whole prefix, so a chunk costs about the same whatever its
-    hop: when the buffer is comfortable (it covers twice the wait for the grown hop's tokens plus a
+    When the buffer is comfortable (it covers twice the wait for the grown hop's tokens plus a
     chunk) take the grown hop; otherwise render what is already pending at once (at least
-    first_hop, at most max_hop) instead of waiting for more tokens.
+    first_hop, at most max_hop) instead of waiting for more tokens. (This rule was tuned when every
+    chunk re-ran the flow over the whole prefix; with the flow cache a chunk costs its new frames,
+    and the rule has not been re-measured since.)
     """
     wait_s = max(0, grown_hop + schedule.pre_lookahead - pending) * token_s
     if lead_s > 2 * (wait_s + chunk_s):
