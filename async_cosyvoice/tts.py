@@ -217,16 +217,19 @@ class Synthesizer:
         """Text that arrives in pieces (a token, a word, a sentence) -> chunks. The voice and
         options come from `request` (its text stays empty); the voice is prepared once.
 
-        text_mode "bistream" (the default where the engine supports it): one LM request for the
-        whole stream, fed each piece's tokens as it arrives (CosyVoice2's bistream mode: speech
-        starts after the first 5 text tokens). Pieces are tokenized one by one without text
-        normalization, as upstream does. "sentence": each sentence is normalized and synthesized
-        as soon as it is complete (`FLUSH` cuts what is buffered). Either way the stream ends
+        text_mode "sentence" (the default): each sentence is normalized and synthesized as soon
+        as it is complete (`FLUSH` cuts what is buffered), with upstream's length rules.
+        "bistream" (engines with `supports_bistream`): one LM request for the whole stream, fed
+        each piece's tokens as it arrives (CosyVoice2's bistream mode: speech starts after the
+        first 10 text tokens). Pieces are tokenized one by one without text normalization, as
+        upstream does. Upstream's bistream loop has no length rule, so a model that does not
+        emit EOS speaks until `options.max_tokens` (else engine.max_model_len) ends it; that is
+        why it is not the default yet. Either way the stream ends
         with a final chunk, which carries no audio when the end of the text was known only after
         the last audio. A pause of more than `limits.text_idle_seconds` between pieces raises
         TextTimeout."""
         request = self.rules.check(request, streamed_text=True)
-        mode = text_mode or ("bistream" if self.supports_bistream else "sentence")
+        mode = text_mode or "sentence"
         if mode not in ("sentence", "bistream"):
             raise InvalidRequest(f"text_mode must be 'sentence' or 'bistream', got {text_mode!r}")
         if mode == "bistream" and not self.supports_bistream:

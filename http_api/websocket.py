@@ -115,7 +115,7 @@ class _Session:
             if not isinstance(request_id, str) or not _REQUEST_ID_RE.fullmatch(request_id):
                 raise InvalidRequest("config.request_id must be 1-64 characters from A-Z a-z 0-9 _ . -")
             call.request_id = request_id
-        text_mode = config.get("text_mode")  # None: the library's default (bistream where the engine has it)
+        text_mode = config.get("text_mode")  # None: the library's default (sentence)
         if text_mode is not None and not isinstance(text_mode, str):
             raise InvalidRequest("config.text_mode must be a string (sentence or bistream)")
         instructions = config.get("instructions")

@@ -36,14 +36,14 @@ _STORM = textwrap.dedent("""
     import sys
     import numpy as np
     from async_cosyvoice.speaker_redis import RedisSpeakerStore
+    from async_cosyvoice.request import Voice
     from async_cosyvoice.speakers import SpeakerRecord
     store = RedisSpeakerStore(sys.argv[1], prefix="storm")
     start = int(sys.argv[2])
     for i in range(start, start + 100000):
         n = 50 + i % 200
-        store.put(SpeakerRecord(f"storm-{i}", "zero_shot", "t", np.arange(3, dtype=np.int32),
-                                np.arange(n, dtype=np.int32), np.full((2 * n, 80), i, np.float32),
-                                np.full(192, i, np.float32)))
+        store.put(SpeakerRecord(f"storm-{i}", Voice(np.arange(n, dtype=np.int32), np.full((2 * n, 80), i, np.float32),
+                                                    np.full(192, i, np.float32), "t", np.arange(3, dtype=np.int32))))
         print(f"storm-{i}", flush=True)
 """)
 

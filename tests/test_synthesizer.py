@@ -322,7 +322,7 @@ def test_synthesize_stream_times_out_on_silence(synth, prompt):
     assert s.engine_stats().running == 0 and s.batcher.pending == 0
 
 
-def test_synthesize_stream_bistream_is_the_default_and_speaks_before_the_text_ends(synth, prompt):
+def test_synthesize_stream_bistream_speaks_before_the_text_ends(synth, prompt):
     """One LM request for the whole stream: its first audio arrives while text is still held back.
     (Each 5 text tokens let the LM speak 15 tokens; the first chunk needs 15 + 3, so the first
     pieces hold more than 10 text tokens.)"""
@@ -346,7 +346,7 @@ def test_synthesize_stream_bistream_is_the_default_and_speaks_before_the_text_en
 
         request = _request(Mode.ZERO_SHOT_BY_SPK_ID, prompt, True, text="", options={"max_tokens": 200})
         chunks = []
-        async for chunk in s.synthesize_stream(pieces(), request):
+        async for chunk in s.synthesize_stream(pieces(), request, text_mode="bistream"):
             if len(chunk.samples) and not first_audio.is_set():
                 assert sent[-1] == " and"
                 first_audio.set()
