@@ -74,8 +74,8 @@ def _check_consistent(url: str, acked: list[str]) -> list[str]:
     for speaker_id in ids:  # including one that may have landed just before the kill
         rec = store.get(speaker_id)
         i = int(speaker_id.removeprefix("storm-"))
-        assert rec.speech_tokens.size == 50 + i % 200
-        assert np.all(rec.speech_feat == i) and np.all(rec.embedding == i)
+        assert rec.voice.n_tokens == 50 + i % 200
+        assert np.all(rec.voice.speech_feat == i) and np.all(rec.voice.embedding == i)
     store.close()
     client.close()
     return ids
