@@ -127,7 +127,8 @@ class Synthesizer:
         t = np.arange(self.sample_rate) / self.sample_rate
         wav = (0.3 * np.sin(2 * np.pi * 180 * t) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
         request = SynthesisRequest(Mode.CROSS_LINGUAL, text="Warm up.", prompt_audio=Audio(wav, self.sample_rate),
-                                   options=SynthesisOptions(stream=True, seed=0, max_tokens=40))
+                                   options=SynthesisOptions(stream=True, seed=0,
+                                                            max_tokens=min(40, self.rules.max_forced_tokens)))
         async for _ in self.synthesize(request):
             pass
 

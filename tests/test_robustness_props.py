@@ -4,7 +4,7 @@ Three levels, each with bounded examples and no deadline (the box is shared):
 1. audio decoding (`_decode_audio`): any AudioData gives finite mono samples at a positive rate,
    or InvalidRequest naming the field;
 2. the servicer's proto -> SynthesisRequest conversion: any message converts, or raises an error
-   whose status is INVALID_ARGUMENT; what converts also passes the library's `validate_request`;
+   whose status is INVALID_ARGUMENT; what converts is then accepted or refused (INVALID_ARGUMENT) by the library's rule book;
 3. a real server on 127.0.0.1 with the tiny model: any message ends OK or with one of the
    statuses a client can act on, never INTERNAL / UNKNOWN, and the server keeps serving.
 """
@@ -25,11 +25,12 @@ from hypothesis import strategies as st  # noqa: E402
 from async_cosyvoice.config import Config  # noqa: E402
 from async_cosyvoice.errors import CosyVoiceError  # noqa: E402
 from async_cosyvoice.speakers import SpeakerStore  # noqa: E402
-from async_cosyvoice.tts import validate_request  # noqa: E402
+from async_cosyvoice.rules import RequestRules  # noqa: E402
 from grpc_async import pb2  # noqa: E402
 from grpc_async.client import CosyVoiceClient  # noqa: E402
 from grpc_async.metrics import Metrics  # noqa: E402
-from grpc_async.server import CosyVoiceServicer, ServerThread, _decode_audio, status_for  # noqa: E402
+from grpc_async.server import ServerThread  # noqa: E402
+from grpc_async.servicer import CosyVoiceServicer, _decode_audio, status_for  # noqa: E402
 
 MAX_TEXT = 80
 MAX_PROMPT_SECONDS = 3.0
@@ -152,7 +153,8 @@ def servicer():
 @given(audio=st.one_of(any_audio, good_audio))
 def test_audio_decoding_gives_samples_or_invalid_argument(audio):
     try:
-        out = _decode_audio(audio, "prompt_audio", MAX_PROMPT_SECONDS, "max_prompt_seconds")
+        out = _decode_audio(audio, "prompt_audio")
+        RequestRules.check_audio(out, "prompt_audio", MAX_PROMPT_SECONDS, "max_prompt_seconds")
     except CosyVoiceError as e:
         assert status_for(e) == grpc.StatusCode.INVALID_ARGUMENT, e
         assert str(e).startswith("prompt_audio")
@@ -165,16 +167,17 @@ def test_audio_decoding_gives_samples_or_invalid_argument(audio):
 @FAST
 @given(request=synthesize_requests())
 def test_conversion_converts_or_invalid_argument(servicer, request):
-    # exactly what the Synthesize handler runs before it reaches the synthesizer
+    # what the Synthesize handler runs (proto shape) and then the library's rule book (values)
+    rules = RequestRules.from_config(servicer.config)
     try:
         request_id = servicer._request_id(request.request_id)
-        converted, _ = servicer._synthesis_request(request, request_id)
+        converted, _ = servicer._synthesis_request(request, request.text, request_id)
+        checked = rules.check(converted)
     except CosyVoiceError as e:
         assert status_for(e) == grpc.StatusCode.INVALID_ARGUMENT, e
         assert str(e)
         return
-    validate_request(converted, MAX_TEXT)  # the servicer lets through only what the library accepts
-    assert converted.request_id == request_id
+    assert checked.request_id == request_id and checked.options.first_hop is not None
 
 
 # ---------------------------------------------------------------------------------------------
