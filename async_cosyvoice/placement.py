@@ -112,6 +112,10 @@ class ReplicaRouter:
         """Serving while any replica is (a stopped one takes no new requests)."""
         return any(r.synth.ready for r in self.replicas)
 
+    @property
+    def supports_bistream(self) -> bool:
+        return all(r.synth.supports_bistream for r in self.replicas)
+
     def _pick(self) -> _Replica:
         live = [r for r in self.replicas if r.synth.ready]
         if not live:

@@ -148,7 +148,7 @@ class Synthesizer:
 
     @property
     def supports_bistream(self) -> bool:
-        return bool(getattr(self.engine, "supports_bistream", False))
+        return self.engine.supports_bistream
 
     async def _in_cpu(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args, **kwargs))

@@ -24,18 +24,17 @@ def _version() -> str:
 def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
     """`synth`: the Synthesizer, or None while the model loads."""
     limits = config.limits
-    engine = getattr(synth, "engine", None)
     return pb2.GetServerInfoResponse(
-        model=getattr(config.server, "served_model_name", None) or DEFAULT_MODEL_NAME,
+        model=config.server.served_model_name or DEFAULT_MODEL_NAME,
         modes=[f.name for f in pb2.SynthesizeRequest.DESCRIPTOR.oneofs_by_name["mode"].fields],
         audio_encodings=encoding_info(),
-        native_sample_rate=getattr(synth, "sample_rate", None) or NATIVE_SAMPLE_RATE,
+        native_sample_rate=synth.sample_rate if synth is not None else NATIVE_SAMPLE_RATE,
         default_encoding=DEFAULT_ENCODING,
         limits=pb2.ServerLimits(
             max_concurrent_streams=limits.max_concurrent_streams, max_text_chars=limits.max_text_chars,
             max_prompt_seconds=limits.max_prompt_seconds, max_source_seconds=limits.max_source_seconds,
             max_forced_tokens=limits.max_forced_tokens, max_message_bytes=limits.max_message_bytes),
         engine=config.engine.kind,
-        bistream=bool(getattr(engine, "supports_bistream", False)),
-        ready=synth is not None and bool(getattr(synth, "ready", True)),
+        bistream=synth is not None and synth.supports_bistream,
+        ready=synth is not None and synth.ready,
         version=_version())
