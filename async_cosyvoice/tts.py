@@ -11,11 +11,13 @@ voice prepared once per stream. `SyncSynthesizer` runs a Synthesizer for scripts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Iterator, Literal
 
 import numpy as np
@@ -59,6 +61,13 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
                              max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching)
+
+
+@dataclass
+class TextFed:
+    """How much text a bistream request has been given, and whether that is all of it."""
+    n_tokens: int = 0
+    ended: bool = False
 
 
 class Synthesizer:
@@ -242,8 +251,9 @@ class Synthesizer:
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
             model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
+            fed = TextFed()
             utterance = self._utterance(request, model_input, 0, playback, last=True,
-                                        text_tokens=self._piece_tokens(pieces))
+                                        text_tokens=self._piece_tokens(pieces, fed), fed=fed)
             async for chunk in utterance.run():
                 yield chunk
             return
@@ -284,17 +294,33 @@ class Synthesizer:
                 raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
             yield piece
 
-    async def _piece_tokens(self, pieces: AsyncIterator[str | object]) -> AsyncIterator[list[int]]:
+    async def _piece_tokens(self, pieces: AsyncIterator[str | object], fed: TextFed) -> AsyncIterator[list[int]]:
         """Bistream: each piece's token ids (FLUSH means nothing to an LM that reads as text comes)."""
-        n = 0
         async for piece in pieces:
             if piece is FLUSH or not piece:
                 continue
             tokens = await self._in_cpu(self.tokenizer.encode, piece)
-            n += len(tokens)
+            fed.n_tokens += len(tokens)
             yield tokens
-        if n == 0:
+        if fed.n_tokens == 0:
             raise InvalidRequest("no text was received")
+        fed.ended = True
+
+    async def _length_rule(self, speech: AsyncIterator[list[int]], fed: TextFed) -> AsyncIterator[list[int]]:
+        """Bistream: upstream's length rule for text it has all of (at most max_token_text_ratio
+        speech tokens per text token), applied once the text has ended. Upstream's bistream loop has
+        none, so a model that never emits EOS would speak to max_model_len. Stopping early closes
+        `speech`, which aborts the LM request."""
+        ratio = self.dims.lm.max_token_text_ratio
+        n = 0
+        async with contextlib.aclosing(speech):
+            async for batch in speech:
+                if fed.ended and n + len(batch) >= (limit := int(fed.n_tokens * ratio)):
+                    if limit > n:
+                        yield batch[:limit - n]
+                    return
+                n += len(batch)
+                yield batch
 
     async def _read_sentences(self, pieces: AsyncIterator[str | object], sentences: asyncio.Queue) -> None:
         """Reader task: text pieces -> complete sentences on the queue, then None (or the error)."""
@@ -325,8 +351,10 @@ class Synthesizer:
         return self.tokenizer.encode(instruction)
 
     def _utterance(self, request: SynthesisRequest, model_input: ModelInput, segment: int, playback: Playback,
-                   *, last: bool, text_tokens: AsyncIterator[list[int]] | None = None) -> Utterance:
-        """text_tokens: a bistream utterance's target text, as it arrives (None: the model input's)."""
+                   *, last: bool, text_tokens: AsyncIterator[list[int]] | None = None,
+                   fed: TextFed | None = None) -> Utterance:
+        """text_tokens: a bistream utterance's target text as it arrives, `fed` counting it (None:
+        the model input's text)."""
         opts = request.options
         batcher = self.batcher.pick()  # one device's token2wav for the whole utterance (placement)
         t2w = Token2WavStream(
@@ -345,7 +373,8 @@ class Synthesizer:
             return Utterance(segment, t2w, batcher, playback, last=last, adaptive=adaptive,
                              source_tokens=model_input.source_speech_token)
         if text_tokens is not None:
-            speech = self.engine.generate_bistream(self._bistream_request(request, model_input), text_tokens)
+            speech = self._length_rule(
+                self.engine.generate_bistream(self._bistream_request(request, model_input), text_tokens), fed)
         else:
             speech = self.engine.generate(self._generation_request(request, model_input, segment))
         return Utterance(segment, t2w, batcher, playback, last=last, adaptive=adaptive, speech=speech)
@@ -356,7 +385,7 @@ class Synthesizer:
             request_id=f"{request.request_id}-0",
             prompt_text_tokens=tuple(int(t) for t in model_input.prompt_text),
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
-            # upstream's bistream loop has no length rule; ours is a safety cap
+            # the engine's own bound; the length rule proper is _length_rule
             max_tokens=opts.max_tokens or self.config.engine.max_model_len, ras=self._ras(opts), seed=opts.seed)
 
     def _generation_request(self, request: SynthesisRequest, model_input: ModelInput, segment: int) -> GenerationRequest:

@@ -357,3 +357,24 @@ def test_synthesize_stream_bistream_speaks_before_the_text_ends(synth, prompt):
     tokens, _ = _check_chunks(chunks)
     assert {c.segment_index for c in chunks} == {0} and 0 < len(tokens) <= 200
     assert s.engine_stats().running == 0
+
+
+def test_bistream_keeps_upstreams_length_rule_once_the_text_ended(synth, prompt):
+    """Upstream's bistream loop has no length rule; the random model never emits EOS, so without
+    ours it would speak to max_model_len. Once the text has ended, at most 20 speech tokens per
+    text token (the yaml's max_token_text_ratio), as for a whole-text request."""
+    s = synth.synth
+    pieces = ["Hello", " there,", " a short", " text."]
+    n_text = sum(len(s.tokenizer.encode(p)) for p in pieces)
+
+    async def text():
+        for piece in pieces:
+            yield piece
+
+    async def body():
+        request = _request(Mode.CROSS_LINGUAL, prompt, True, text="")
+        return [c async for c in s.synthesize_stream(text(), request, text_mode="bistream")]
+
+    tokens, _ = _check_chunks(synth.call(body()))
+    assert 0 < len(tokens) <= int(s.dims.lm.max_token_text_ratio * n_text)
+    assert s.engine_stats().running == 0
