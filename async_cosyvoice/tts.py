@@ -232,11 +232,11 @@ class Synthesizer:
         "bistream" (engines with `supports_bistream`): one LM request for the whole stream, fed
         each piece's tokens as it arrives (CosyVoice2's bistream mode: speech starts after the
         first 10 text tokens). Pieces are tokenized one by one without text normalization, as
-        upstream does. Upstream's bistream loop has no length rule, so a model that does not
-        emit EOS speaks until `options.max_tokens` (else engine.max_model_len) ends it; that is
-        why it is not the default yet. Either way the stream ends
-        with a final chunk, which carries no audio when the end of the text was known only after
-        the last audio. A pause of more than `limits.text_idle_seconds` between pieces raises
+        upstream does. Upstream's bistream loop has no length rule, so a model that never emits
+        EOS would speak to max_model_len: `_length_rule` applies upstream's max_token_text_ratio
+        once the text has ended. Not the default yet: it has not been measured on a GPU. Either
+        way the stream ends with a final chunk, which carries no audio when the end of the text
+        was known only after the last audio. A pause of more than `limits.text_idle_seconds` between pieces raises
         TextTimeout."""
         request = self.rules.check(request, streamed_text=True)
         mode = text_mode or "sentence"
