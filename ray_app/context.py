@@ -30,12 +30,14 @@ class RayCallContext:
     def __init__(self, ray_context):
         self.ray_context = ray_context
         self.messages: asyncio.Queue = asyncio.Queue()
-        self._trailing: dict[str, str] = {}
+        self._trailing: dict[str, str | bytes] = {}
 
     async def write(self, message) -> None:
         self.messages.put_nowait(message)
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        for key, value in trailing_metadata:  # google.rpc details (grpc-status-details-bin)
+            self.add_trailer(key, value)
         self.ray_context.set_code(code)
         self.ray_context.set_details(details)
         raise Aborted(details)
@@ -45,7 +47,7 @@ class RayCallContext:
         for key, value in metadata:
             self.add_trailer(key, value)
 
-    def add_trailer(self, key: str, value: str) -> None:
+    def add_trailer(self, key: str, value: str | bytes) -> None:
         self._trailing[key] = value
         self.ray_context.set_trailing_metadata(list(self._trailing.items()))
 
