@@ -26,23 +26,37 @@ import torch
 from .config import Config
 from .demo import resolve_model_dir
 from .engine import create_engine
-from .engine.base import BistreamRequest, EngineStats, GenerationRequest, SpeechTokenEngine, length_limits
+from .engine.base import (
+    BistreamRequest,
+    EngineStats,
+    GenerationRequest,
+    SpeechTokenEngine,
+    length_limits,
+)
 from .errors import InvalidRequest, SpeakerExists, TextTimeout, Unsupported
 from .estimator import estimator_from_config
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
-from .frontend.sentences import SentenceSplitter
+from .frontend.sentences import complete_sentences
 from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
 from .models.dims import RASParams
 from .models.hift import NSFNoise
-from .request import FLUSH, Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest, Voice
+from .request import (
+    FLUSH,
+    Audio,
+    AudioChunk,
+    Mode,
+    SynthesisOptions,
+    SynthesisRequest,
+    Voice,
+)
 from .rules import ENDOFPROMPT, RequestRules
 from .speaker_store import open_speaker_store
-from .stage_stats import StageStats, totals
 from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
+from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
 from .utterance import Playback, Utterance
@@ -61,6 +75,23 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
                              max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching)
+
+
+async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float) -> AsyncIterator[str | object]:
+    """A text stream's pieces, checked (strings or FLUSH), ended by TextTimeout when none arrives
+    for `idle_seconds`."""
+    pieces = aiter(text)
+    while True:
+        try:
+            piece = await asyncio.wait_for(anext(pieces), idle_seconds)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise TextTimeout(f"no text arrived for {idle_seconds:g} s (limits.text_idle_seconds); "
+                              "send the end of the text when it is complete") from None
+        if piece is not FLUSH and not isinstance(piece, str):
+            raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
+        yield piece
 
 
 @dataclass
@@ -247,7 +278,7 @@ class Synthesizer:
                               "with text; use text_mode 'sentence'")
         voice = await self.prepare_voice(request)
         instruction = await self._in_cpu(self._instruction_tokens, request)
-        pieces = self._text_pieces(text)
+        pieces = checked_pieces(text, self.config.limits.text_idle_seconds)
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
             model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
@@ -277,22 +308,6 @@ class Synthesizer:
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-
-    async def _text_pieces(self, text: AsyncIterable[str | object]) -> AsyncIterator[str | object]:
-        """The caller's pieces, checked, with the idle timeout applied."""
-        idle = self.config.limits.text_idle_seconds
-        pieces = aiter(text)
-        while True:
-            try:
-                piece = await asyncio.wait_for(anext(pieces), idle)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise TextTimeout(f"no text arrived for {idle:g} s (limits.text_idle_seconds); "
-                                  "send the end of the text when it is complete") from None
-            if piece is not FLUSH and not isinstance(piece, str):
-                raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
-            yield piece
 
     async def _piece_tokens(self, pieces: AsyncIterator[str | object], fed: TextFed) -> AsyncIterator[list[int]]:
         """Bistream: each piece's token ids (FLUSH means nothing to an LM that reads as text comes)."""
@@ -324,12 +339,8 @@ class Synthesizer:
 
     async def _read_sentences(self, pieces: AsyncIterator[str | object], sentences: asyncio.Queue) -> None:
         """Reader task: text pieces -> complete sentences on the queue, then None (or the error)."""
-        splitter = SentenceSplitter(min(MAX_STREAM_SENTENCE_CHARS, self.rules.max_text_chars))
         try:
-            async for piece in pieces:
-                for sentence in splitter.flush() if piece is FLUSH else splitter.feed(piece):
-                    sentences.put_nowait(sentence)
-            for sentence in splitter.flush():
+            async for sentence in complete_sentences(pieces, min(MAX_STREAM_SENTENCE_CHARS, self.rules.max_text_chars)):
                 sentences.put_nowait(sentence)
             sentences.put_nowait(None)
         except asyncio.CancelledError:

@@ -10,7 +10,7 @@ from ray.serve.handle import DeploymentHandle
 from async_cosyvoice.config import Config
 from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.speaker_store import open_speaker_store
-from async_cosyvoice.tts import Audio, SynthesisRequest
+from async_cosyvoice.tts import MAX_STREAM_SENTENCE_CHARS, Audio, SynthesisRequest
 from grpc_async.metrics import Metrics
 from grpc_async.servicer import CosyVoiceServicer
 
@@ -57,7 +57,10 @@ class CosyVoiceIngress:
         config = Config.model_validate_json(config_json)
         info = await model.describe.remote()  # waits for a model replica
         self.servicer = CosyVoiceServicer(config, Metrics())
-        self.servicer.synth = RemoteSynthesizer(model, open_speaker_store(config.speakers), info["sample_rate"])
+        self.servicer.synth = RemoteSynthesizer(model, open_speaker_store(config.speakers), info["sample_rate"],
+                                                text_idle_seconds=config.limits.text_idle_seconds,
+                                                max_sentence_chars=min(MAX_STREAM_SENTENCE_CHARS,
+                                                                       config.limits.max_text_chars))
 
     async def Synthesize(self, request, grpc_context):
         async for message in serve_streaming(self.servicer.Synthesize, request, grpc_context):

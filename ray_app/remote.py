@@ -8,18 +8,22 @@ the request is retried on another replica; after the first chunk the caller gets
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from async_cosyvoice.engine.base import EngineStats
-from async_cosyvoice.errors import CosyVoiceError, NotReady
+from async_cosyvoice.errors import CosyVoiceError, InvalidRequest, NotReady, Unsupported
+from async_cosyvoice.frontend.sentences import complete_sentences
+from async_cosyvoice.request import Audio, AudioChunk, SynthesisRequest
 from async_cosyvoice.speakers import SpeakerStoreBase
-from async_cosyvoice.tts import Audio, AudioChunk, SynthesisRequest
+from async_cosyvoice.tts import MAX_STREAM_SENTENCE_CHARS, checked_pieces
 
 from .context import current_call
 
@@ -50,10 +54,13 @@ def _tag(replica: str) -> None:
 class RemoteSynthesizer:
     ready = True
 
-    def __init__(self, model: DeploymentHandle, speakers: SpeakerStoreBase, sample_rate: int):
+    def __init__(self, model: DeploymentHandle, speakers: SpeakerStoreBase, sample_rate: int,
+                 text_idle_seconds: float = 30.0, max_sentence_chars: int = MAX_STREAM_SENTENCE_CHARS):
         self.model = model
         self.speakers = speakers
         self.sample_rate = sample_rate
+        self.text_idle_seconds = text_idle_seconds
+        self.max_sentence_chars = max_sentence_chars
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         stream = self.model.options(stream=True)
@@ -76,8 +83,27 @@ class RemoteSynthesizer:
                 log.warning("request %s: replica died before the first chunk (%s); retrying on another",
                             request.request_id, type(e).__name__)
 
-    def synthesize_stream(self, *args, **kwargs):
-        raise NotImplementedError("StreamSynthesize is served by the ingress, one Synthesize per sentence")
+    async def synthesize_stream(self, text, request: SynthesisRequest, *,
+                                text_mode: str | None = None) -> AsyncIterator[AudioChunk]:
+        """Sentence mode across the replica boundary: each complete sentence is one Synthesize on
+        some replica, its chunks renumbered into one stream ending with a final chunk. Bistream
+        needs one LM request fed for the whole text, which a Ray handle call cannot be."""
+        if text_mode == "bistream":
+            raise Unsupported("text_mode 'bistream' is not served through Ray Serve (each sentence is its own "
+                              "replica request); use 'sentence'")
+        index = offset = tokens = n = 0
+        pieces = checked_pieces(text, self.text_idle_seconds)
+        async for sentence in complete_sentences(pieces, self.max_sentence_chars):
+            segment = dataclasses.replace(request, text=sentence, request_id=f"{request.request_id}.{n}")
+            async for chunk in self.synthesize(segment):
+                tokens += chunk.n_tokens if chunk.is_final else 0
+                yield dataclasses.replace(chunk, index=index, sample_offset=offset, is_final=False, segment_index=n)
+                index, offset = index + 1, offset + len(chunk.samples)
+            n += 1
+        if n == 0:
+            raise InvalidRequest("no text was received (or only punctuation)")
+        yield AudioChunk(np.zeros(0, np.float32), self.sample_rate, index, True, offset, segment_index=n - 1,
+                         n_tokens=tokens)
 
     async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio, overwrite: bool = False):
         try:

@@ -1,6 +1,10 @@
 """StreamSynthesize input: text pieces as they arrive -> complete sentences to synthesize."""
 from __future__ import annotations
 
+from typing import AsyncIterable, AsyncIterator
+
+from ..request import FLUSH
+
 _SENTENCE_END = set("。！？；!?;…\n")
 _TRAILING = set("。！？；!?;….\"'”’)）」』】》")
 _SOFT_BREAK = set(",，、:：")
@@ -60,3 +64,14 @@ class SentenceSplitter:
 def _keep(sentences: list[str]) -> list[str]:
     """Stripped sentences that have something to say (punctuation-only pieces are dropped)."""
     return [s.strip() for s in sentences if any(ch.isalnum() for ch in s)]
+
+
+async def complete_sentences(pieces: AsyncIterable[str | object], max_chars: int = 200) -> AsyncIterator[str]:
+    """Sentences as soon as they are complete, from text pieces (`FLUSH` cuts what is buffered);
+    the rest when the pieces end."""
+    splitter = SentenceSplitter(max_chars)
+    async for piece in pieces:
+        for sentence in splitter.flush() if piece is FLUSH else splitter.feed(piece):
+            yield sentence
+    for sentence in splitter.flush():
+        yield sentence
