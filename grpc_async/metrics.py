@@ -66,6 +66,20 @@ class Metrics:
         ProcessCollector(registry=r)
         self._http: ThreadingHTTPServer | None = None
 
+    def record_request(self, method: str, mode: str, status: str, ok: bool, stream: str, elapsed: float,
+                       first_chunk: float | None, audio_seconds: float, tokens: int, chunks: int) -> None:
+        """One finished request of either front door (gRPC or HTTP): its counters and, when it
+        succeeded with audio, its latency, RTF, audio and token totals."""
+        self.requests.labels(method, mode, status).inc()
+        self.request_duration.labels(method).observe(elapsed)
+        if chunks and ok:
+            if first_chunk is not None:
+                self.first_chunk_latency.labels(mode, stream).observe(first_chunk)
+            if audio_seconds > 0:
+                self.rtf.labels(mode, stream).observe(elapsed / audio_seconds)
+            self.audio_seconds.labels(mode).inc(audio_seconds)
+            self.speech_tokens.labels(mode).inc(tokens)
+
     def bind_engine(self, stats: Callable[[], object]) -> None:
         """Read the engine gauges from `stats()` (an EngineStats) at every scrape."""
         def field(name: str) -> Callable[[], float]:

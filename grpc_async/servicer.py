@@ -219,18 +219,10 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
 
     def _finish(self, call: _Call) -> None:
         elapsed = call.elapsed()
-        m = self.metrics
-        m.requests.labels(call.method, call.mode, call.status).inc()
-        m.request_duration.labels(call.method).observe(elapsed)
         first = call.first_chunk_latency
         stream = "-" if call.stream is None else str(call.stream).lower()
-        if call.chunks and call.status == "OK":
-            if first is not None:
-                m.first_chunk_latency.labels(call.mode, stream).observe(first)
-            if call.audio_seconds > 0:
-                m.rtf.labels(call.mode, stream).observe(elapsed / call.audio_seconds)
-            m.audio_seconds.labels(call.mode).inc(call.audio_seconds)
-            m.speech_tokens.labels(call.mode).inc(call.tokens)
+        self.metrics.record_request(call.method, call.mode, call.status, call.status == "OK", stream, elapsed,
+                                    first, call.audio_seconds, call.tokens, call.chunks)
         level = logging.INFO if call.status in ("OK", "CANCELLED") else logging.WARNING
         log.log(level,
                 "rpc method=%s id=%s mode=%s stream=%s status=%s latency_ms=%.1f first_chunk_ms=%s "

@@ -67,17 +67,10 @@ class HttpCall:
 
     def finish(self, metrics) -> None:
         elapsed = self.elapsed()
-        metrics.requests.labels(self.method, self.mode, self.status).inc()
-        metrics.request_duration.labels(self.method).observe(elapsed)
         first = self.first_chunk_latency
         stream = "-" if self.stream is None else str(self.stream).lower()
-        if self.chunks and self.status == "200":
-            if first is not None:
-                metrics.first_chunk_latency.labels(self.mode, stream).observe(first)
-            if self.audio_seconds > 0:
-                metrics.rtf.labels(self.mode, stream).observe(elapsed / self.audio_seconds)
-            metrics.audio_seconds.labels(self.mode).inc(self.audio_seconds)
-            metrics.speech_tokens.labels(self.mode).inc(self.tokens)
+        metrics.record_request(self.method, self.mode, self.status, self.status == "200", stream, elapsed,
+                               first, self.audio_seconds, self.tokens, self.chunks)
         level = logging.INFO if self.status in ("200", "CANCELLED") else logging.WARNING
         log.log(level,
                 "http method=%r id=%s mode=%s stream=%s format=%s status=%s latency_ms=%.1f first_chunk_ms=%s "
