@@ -165,22 +165,6 @@ def format_targets(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def format_stages(levels: list[dict]) -> str:
-    lines = ["where the time went (busy fraction of the level's wall time; ms per call; mean batch):",
-             f"{'conc':>5} {'LLM busy':>9} {'ms/step':>8} {'t2w busy':>9} {'ms/batch':>9} {'jobs/batch':>10}"]
-    for lv in levels:
-        st = lv.get("stages") or {}
-        llm, t2w = st.get("llm_step", {}), st.get("token2wav_batch", {})
-
-        def f(d, k, fmt):
-            return fmt.format(d[k]) if d.get(k) is not None else "-"
-        lines.append(f"{lv['concurrency']:5d} {f(llm, 'busy_fraction', '{:9.2f}'):>9} "
-                     f"{f(llm, 'ms_per_call', '{:8.1f}'):>8} "
-                     f"{f(t2w, 'busy_fraction', '{:9.2f}'):>9} {f(t2w, 'ms_per_call', '{:9.1f}'):>9} "
-                     f"{f(t2w, 'items_per_call', '{:10.1f}'):>10}")
-    return "\n".join(lines)
-
-
 async def measure(args, plan: dict, config: Config, results: dict, phases: dict, skip: set[str],
                   deadline: float) -> None:
     """Phases 2-8. A phase that fails is recorded in results["phase_errors"] and the next one
@@ -315,7 +299,7 @@ def main(argv=None) -> int:
         text += [f"streaming, {plan['tokens']} tokens per request ({plan['tokens'] * bench.SECONDS_PER_TOKEN:g} s of "
                  f"audio), prompt {results['meta'].get('prompt_tokens')} tokens:",
                  bench.format_table(results["levels"]),
-                 "", format_stages(results["levels"])]
+                 "", bench.format_stages(results["levels"], "where the time went")]
     if results.get("offline"):
         off = results["offline"]
         text += ["", f"offline (non-streaming), {off['requests']} requests, {off['concurrency']} in flight: "

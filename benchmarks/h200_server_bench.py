@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     if results.get("levels"):
         text += [f"closed loop, {plan['tokens']} tokens per request ({plan['tokens'] * bench.SECONDS_PER_TOKEN:g} s "
                  f"of audio), prompt {results['meta'].get('prompt_seconds')} s:", bench.format_table(results["levels"]),
-                 "", _format_stages(results["levels"]), ""]
+                 "", bench.format_stages(results["levels"], "server stages"), ""]
     if results.get("capacity"):
         text += [bench.format_open_loop(results["capacity"]["trials"]), bench.format_capacity(results["capacity"]), ""]
     if results.get("skipped"):
@@ -402,21 +402,6 @@ def main(argv=None) -> int:
         log(f"wrote {p}")
     failed = sum(lv["errors"] for lv in results.get("levels", []))
     return 1 if failed or results.get("phase_errors") else 0
-
-
-def _format_stages(levels: list[dict]) -> str:
-    lines = ["server stages (busy fraction of the level's wall time; ms per call; items per call):",
-             f"{'conc':>5} {'LLM busy':>9} {'ms/step':>8} {'t2w busy':>9} {'ms/batch':>9} {'jobs/batch':>10}"]
-    for lv in levels:
-        st = lv.get("stages") or {}
-        llm, t2w = st.get("llm_step", {}), st.get("token2wav_batch", {})
-
-        def f(d, k, fmt):
-            return fmt.format(d[k]) if d.get(k) is not None else "-"
-        lines.append(f"{lv['concurrency']:5d} {f(llm, 'busy_fraction', '{:9.2f}'):>9} {f(llm, 'ms_per_call', '{:8.1f}'):>8} "
-                     f"{f(t2w, 'busy_fraction', '{:9.2f}'):>9} {f(t2w, 'ms_per_call', '{:9.1f}'):>9} "
-                     f"{f(t2w, 'items_per_call', '{:10.1f}'):>10}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from .plots import write_plots
 from .progress import Progress
 from async_cosyvoice.files import write_json
 
-from .report import environment, format_t2w, format_table
+from .report import environment, format_stages, format_t2w, format_table
 from .open_loop import CapacityCriteria, capacity_search, format_capacity, format_open_loop, poisson_arrivals
 from .open_loop import run_open_loop
 from .runner import run_level, run_request, run_sweep, warm_up
@@ -78,5 +78,5 @@ __all__ = [
     "add_arguments", "bench_grpc", "bench_in_process", "environment", "format_t2w", "format_table", "main",
     "parse_int_list", "parse_prometheus", "register_grpc", "register_in_process", "requests_per_level", "run_level", "run_request",
     "run_sweep", "summarize", "stage_delta", "summarize_level", "synthetic_prompt", "token2wav_compare",
-    "underruns", "warm_up", "write_json", "write_plots",
+    "underruns", "warm_up", "write_json", "write_plots", "format_stages",
 ]
