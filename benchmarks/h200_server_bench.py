@@ -46,6 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -206,6 +207,24 @@ class ServerProcess:
         self._log.close()
         return self.proc.returncode
 
+    async def wait_serving(self, client, timeout_s: float) -> None:
+        """Until health turns SERVING; fails at once (with the log's tail) if the server exits first."""
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future = loop.create_future()
+
+        def wait_exit() -> None:
+            rc = self.proc.wait()
+            with contextlib.suppress(RuntimeError):  # the loop may be closed by then
+                loop.call_soon_threadsafe(lambda: exited.done() or exited.set_result(rc))
+
+        threading.Thread(target=wait_exit, daemon=True).start()
+        ready = asyncio.ensure_future(client.wait_ready(timeout=timeout_s))
+        await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            raise RuntimeError(f"server exited with status {exited.result()} before SERVING:\n{self.log_tail(15)}")
+        ready.result()
+
     def log_tail(self, n: int = 60) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -241,7 +260,7 @@ async def measure_server(args, plan: dict, server: ServerProcess, results: dict,
 
     stages = bench.PrometheusStages(server.metrics)
     async with CosyVoiceClient(server.target) as client:
-        await client.wait_ready(timeout=plan["ready_timeout_s"])
+        await server.wait_serving(client, plan["ready_timeout_s"])
         phases["server_start_s"] = time.monotonic() - server.started
         log(f"server SERVING {phases['server_start_s']:.1f} s after spawn")
         speaker = bench.SpeakerSpec(prompt_seconds=plan["prompt_seconds"], seed=args.seed)
