@@ -118,6 +118,14 @@ class ServerConfig(_Section):
     voice_aliases: dict[str, str] = {}  # e.g. {"alloy": "my_speaker"}: OpenAI voice names -> speaker ids
 
 
+class WarmupConfig(_Section):
+    """What runs before health turns SERVING (async_cosyvoice/warmup.py)."""
+    coverage: bool | None = None  # every batch size for registered speakers' prompts; None: where shapes are captured (CUDA)
+    max_batch: int | None = Field(None, ge=1)  # None: min(limits.max_concurrent_streams, token2wav.max_batch, engine.max_num_seqs)
+    max_speakers: int = Field(8, ge=0)  # distinct prompt lengths of registered speakers warmed at start-up
+    compile_cache_dir: Path | None = None  # torch.compile's caches; None: <cache root>/torch-compile
+
+
 class Config(_Section):
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
@@ -126,6 +134,7 @@ class Config(_Section):
     speakers: SpeakerConfig = SpeakerConfig()
     limits: LimitsConfig = LimitsConfig()
     server: ServerConfig = ServerConfig()
+    warmup: WarmupConfig = WarmupConfig()
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: dict[str, str] | None = None) -> "Config":

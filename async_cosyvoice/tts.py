@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Iterator, Literal
 
-import numpy as np
 import torch
 
 from .config import Config
@@ -48,7 +47,6 @@ from .request import (
     FLUSH,
     Audio,
     AudioChunk,
-    Mode,
     SynthesisOptions,
     SynthesisRequest,
     Voice,
@@ -60,6 +58,7 @@ from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
 from .utterance import Playback, Utterance
+from .warmup import Warmup, compile_in_use, use_compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +123,7 @@ class Synthesizer:
         self.batcher = batcher
         self.ready = False
         self._cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend")
+        self.warming = Warmup(config, speakers, self.sample_rate, max_tokens=min(40, self.rules.max_forced_tokens))
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -141,6 +141,8 @@ class Synthesizer:
     def _build(cls, config: Config) -> "Synthesizer":
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
         device = torch.device(config.model.device)
+        if compile_in_use(config):
+            use_compile_cache(config)
         # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module
         models = build_models(model_dir, device=device, dtype=getattr(torch, config.model.flow_dtype),
                               llm_dtype=getattr(torch, config.model.llm_dtype),
@@ -162,15 +164,9 @@ class Synthesizer:
                    engine=engine, batcher=batcher)
 
     async def warmup(self) -> None:
-        """One short streamed synthesis through every stage, so the first request is not slow."""
-        rng = np.random.default_rng(0)
-        t = np.arange(self.sample_rate) / self.sample_rate
-        wav = (0.3 * np.sin(2 * np.pi * 180 * t) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
-        request = SynthesisRequest(Mode.CROSS_LINGUAL, text="Warm up.", prompt_audio=Audio(wav, self.sample_rate),
-                                   options=SynthesisOptions(stream=True, seed=0,
-                                                            max_tokens=min(40, self.rules.max_forced_tokens)))
-        async for _ in self.synthesize(request):
-            pass
+        """Before SERVING: every stage once, and where shapes are captured every batch size for the
+        registered speakers' prompt lengths (warmup.py)."""
+        await self.warming.run(self.synthesize)
 
     async def close(self) -> None:
         self.ready = False
@@ -219,7 +215,8 @@ class Synthesizer:
 
     async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio,
                                overwrite: bool = False) -> SpeakerRecord:
-        """Compute and store a zero-shot speaker (tokens, 24 kHz mel, embedding, transcript tokens)."""
+        """Compute and store a zero-shot speaker (tokens, 24 kHz mel, embedding, transcript tokens).
+        Where warm-up covers shapes (CUDA), returns once its prompt length is warmed (warmup.py)."""
         validate_speaker_id(speaker_id)
         self.rules.check_text(prompt_text, "prompt_text")
         self.rules.check_prompt(audio, "prompt_audio")
@@ -227,6 +224,8 @@ class Synthesizer:
             raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
         record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text))
         await self._in_cpu(self.speakers.put, record, overwrite)
+        if self.ready:  # its prompt length's first chunks captured now, not on its first request
+            await self.warming.speaker(self.synthesize, speaker_id, record.voice.n_tokens)
         return record
 
     # -- synthesis ------------------------------------------------------------------------------

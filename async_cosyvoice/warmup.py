@@ -1,0 +1,133 @@
+"""Warm-up: run what serving will run before health turns SERVING, so no user pays for a compile
+or a CUDA-graph capture.
+
+Captured work is keyed by shape: the LLM's decode graphs by batch size, the compiled flow
+estimator's graphs by (batch, length) bucket, and a first chunk's length is its speaker's prompt
+plus the first hop. So the warm-up
+1. runs one short streamed synthesis through every stage (a generated 1-s prompt), then, where
+   shapes are captured (`Warmup.coverage`),
+2. for each registered zero-shot speaker's prompt length (the most recent `max_speakers` distinct
+   lengths), runs short requests by that speaker at 1, 2, 4, … concurrent streams up to
+   `max_batch` (default: the smallest of limits.max_concurrent_streams, token2wav.max_batch and
+   engine.max_num_seqs): every batch bucket of that prompt's first and final chunks, and every
+   LLM decode batch size on the way.
+A speaker registered later gets step 2 before its registration returns (once per prompt length),
+so its first request is as fast as a warm one.
+
+`use_compile_cache` points torch.compile's caches (inductor's FX graphs and Triton kernels) at
+a persistent folder, so a restart loads compiled code instead of compiling it again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator
+
+import numpy as np
+
+from .files import cache_root
+from .request import Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .speakers import SpeakerStoreBase
+
+log = logging.getLogger(__name__)
+
+WARM_TEXT = "Warm up."
+
+
+def compile_in_use(config: Config) -> bool:
+    """Whether anything will be torch.compile'd or captured as a CUDA graph."""
+    return config.model.device.startswith("cuda") and (
+        config.engine.cuda_graphs or config.engine.compile or config.token2wav.estimator == "compiled")
+
+
+def use_compile_cache(config: Config) -> Path:
+    """torch.compile's caches under `warmup.compile_cache_dir` (default: <cache root>/torch-compile).
+    An explicit TORCHINDUCTOR_CACHE_DIR in the environment wins. Inductor reads it when it first
+    compiles, so this runs before the models are built."""
+    folder = Path(config.warmup.compile_cache_dir or cache_root() / "torch-compile").expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    chosen = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    log.info("torch.compile cache: %s", chosen)
+    return Path(chosen)
+
+
+def batch_sizes(largest: int) -> list[int]:
+    """1, 2, 4, … and `largest` itself."""
+    sizes, n = [], 1
+    while n < largest:
+        sizes.append(n)
+        n *= 2
+    return sizes + [largest]
+
+
+def sine_prompt(sample_rate: int, seconds: float = 1.0) -> Audio:
+    rng = np.random.default_rng(0)
+    t = np.arange(int(sample_rate * seconds)) / sample_rate
+    wav = (0.3 * np.sin(2 * np.pi * 180 * t) + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+    return Audio(wav, sample_rate)
+
+
+async def drain(chunks: AsyncIterator[AudioChunk]) -> None:
+    async for _ in chunks:
+        pass
+
+
+@dataclass
+class Warmup:
+    """What has been warmed on one Synthesizer (`synthesize(request)` is all it uses of it)."""
+    config: Config
+    speakers: SpeakerStoreBase
+    sample_rate: int
+    max_tokens: int                     # speech tokens per warm-up request (its first and final chunks)
+    warmed: dict[int, list[int]] = field(default_factory=dict)  # prompt length (speech tokens) -> batch sizes run
+
+    @property
+    def coverage(self) -> bool:
+        c = self.config.warmup.coverage
+        return compile_in_use(self.config) if c is None else c
+
+    @property
+    def max_batch(self) -> int:
+        c = self.config
+        return c.warmup.max_batch or min(c.limits.max_concurrent_streams, c.token2wav.max_batch, c.engine.max_num_seqs)
+
+    async def run(self, synthesize) -> None:
+        t = time.monotonic()
+        request = SynthesisRequest(Mode.CROSS_LINGUAL, text=WARM_TEXT, prompt_audio=sine_prompt(self.sample_rate),
+                                   options=SynthesisOptions(stream=True, seed=0, max_tokens=self.max_tokens))
+        await drain(synthesize(request))
+        if self.coverage:
+            infos = sorted((i for i in await asyncio.to_thread(self.speakers.infos) if i.kind != "sft"),
+                           key=lambda i: -i.created_at)
+            done: set[int] = set()
+            for info in infos:
+                if len(done) >= self.config.warmup.max_speakers:
+                    break
+                if info.n_speech_tokens not in done:
+                    done.add(info.n_speech_tokens)
+                    await self.speaker(synthesize, info.speaker_id, info.n_speech_tokens)
+        log.info("warm-up done in %.1f s (%d prompt lengths at up to %d streams)", time.monotonic() - t,
+                 len(self.warmed), self.max_batch if self.coverage else 1)
+
+    async def speaker(self, synthesize, speaker_id: str, prompt_tokens: int) -> None:
+        """Short requests by this speaker at every batch size, once per prompt length."""
+        if not self.coverage or prompt_tokens in self.warmed:
+            return
+        t = time.monotonic()
+        def request() -> SynthesisRequest:  # each with its own request id
+            return SynthesisRequest(Mode.ZERO_SHOT_BY_SPK_ID, text=WARM_TEXT, speaker_id=speaker_id,
+                                    options=SynthesisOptions(stream=True, seed=0, max_tokens=self.max_tokens))
+        done = []
+        for n in batch_sizes(self.max_batch):
+            await asyncio.gather(*(drain(synthesize(request())) for _ in range(n)))
+            done.append(n)
+        self.warmed[prompt_tokens] = done
+        log.info("warmed speaker %r (%d prompt tokens) at 1..%d streams in %.1f s", speaker_id, prompt_tokens,
+                 self.max_batch, time.monotonic() - t)

@@ -1,0 +1,59 @@
+"""Warm-up coverage: registered speakers' prompt lengths at every batch size, before SERVING and
+on registration; torch.compile's cache folder."""
+import os
+
+import pytest
+
+from async_cosyvoice.config import Config
+from async_cosyvoice.frontend.audio import load_audio
+from async_cosyvoice.request import Audio
+from async_cosyvoice.tts import SyncSynthesizer
+from async_cosyvoice.warmup import batch_sizes, compile_in_use, use_compile_cache
+
+TRANSCRIPT = "The morning train was late again."
+
+
+def test_batch_sizes():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(4) == [1, 2, 4]
+    assert batch_sizes(5) == [1, 2, 4, 5]
+
+
+def test_registered_speakers_are_warmed_at_every_batch_size(tiny_dir, tmp_path):
+    prompt = load_audio(tiny_dir / "golden" / "prompt_24k.wav")
+    short = Audio(prompt.samples[: len(prompt.samples) // 2], prompt.sample_rate)
+    base = {"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")}}
+    with SyncSynthesizer(Config.model_validate(base), warmup=True) as s:
+        assert not compile_in_use(s.synth.config)  # CPU: nothing captured, so no coverage by default
+        s.register_speaker("long", TRANSCRIPT, prompt)
+        assert s.synth.warming.warmed == {}
+        n_long = s.synth.speakers.get("long").voice.n_tokens
+
+    config = Config.model_validate({**base, "warmup": {"coverage": True, "max_batch": 3}})
+    with SyncSynthesizer(config, warmup=True) as s:
+        assert s.synth.warming.warmed == {n_long: [1, 2, 3]}  # before the first request
+        s.register_speaker("short", TRANSCRIPT, short)
+        n_short = s.synth.speakers.get("short").voice.n_tokens
+        assert n_short != n_long
+        assert s.synth.warming.warmed == {n_long: [1, 2, 3], n_short: [1, 2, 3]}
+        s.register_speaker("long2", TRANSCRIPT, prompt)  # a length already warmed: nothing runs again
+        assert list(s.synth.warming.warmed) == [n_long, n_short]
+
+
+def test_compile_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    config = Config.model_validate({"warmup": {"compile_cache_dir": str(tmp_path / "tc")}})
+    assert use_compile_cache(config) == tmp_path / "tc"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "tc")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the operator's choice wins
+    assert use_compile_cache(config) == tmp_path / "mine"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({}, False),
+    ({"model": {"device": "cuda"}}, True),  # engine.cuda_graphs defaults to true
+    ({"model": {"device": "cuda"}, "engine": {"cuda_graphs": False}}, False),
+    ({"model": {"device": "cuda"}, "engine": {"cuda_graphs": False}, "token2wav": {"estimator": "compiled"}}, True),
+])
+def test_compile_in_use(overrides, expected):
+    assert compile_in_use(Config.model_validate(overrides)) is expected
