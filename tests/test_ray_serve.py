@@ -221,6 +221,11 @@ def test_http_errors_through_ray_are_the_plain_servers(ray_cosyvoice, plain, tak
                                            "files": {"audio": ("p.wav", prompt, "audio/wav")}}),
     ]
     with httpx.Client(timeout=300) as http:
+        # the routes without a token: probes, models, the web page
+        for path in ["/healthz", "/readyz", "/v1/models", "/"]:
+            through_ray, direct = http.get(ray_cosyvoice.http + path), http.get(plain.http + path)
+            assert through_ray.status_code == direct.status_code == 200, path
+            assert through_ray.content == direct.content, path
         for status, method, path, kwargs in cases:
             through_ray = http.request(method, ray_cosyvoice.http + path, **kwargs)
             direct = http.request(method, plain.http + path, **kwargs)
