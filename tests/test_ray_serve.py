@@ -258,10 +258,11 @@ def test_http_overload_through_ray_is_429(ray_cosyvoice, taken_voice):
     assert error["message"].startswith(f"{STREAM_LIMIT} synthesis streams are already running")
 
 
-async def _websocket(url: str, voice: str, texts: list[str] | None) -> tuple[list[dict], int | None]:
+async def _websocket(url: str, voice: str, texts: list[str] | None, **config) -> tuple[list[dict], int | None]:
     """One WebSocket session (texts None: the config only): -> the server's messages and the close code."""
     async with ws_connect(url, max_size=None) as ws:
-        await ws.send(json.dumps({"type": "config", "voice": voice, "format": "pcm", "options": {"seed": 2}}))
+        await ws.send(json.dumps({"type": "config", "voice": voice, "format": "pcm", "options": {"seed": 2},
+                                  **config}))
         for text in texts or ():
             await ws.send(json.dumps({"type": "text", "text": text}))
         if texts is not None:
@@ -285,6 +286,9 @@ def test_websocket_through_ray(ray_cosyvoice, plain, taken_voice):
     direct = asyncio.run(_websocket(plain.ws, "nobody", None))
     assert through_ray == direct and through_ray[1] == 4404, through_ray
     assert through_ray[0][-1]["code"] == "voice_not_found"
+    # bistream needs one LM request fed for the whole text, which a replica call cannot be
+    messages, code = asyncio.run(_websocket(ray_cosyvoice.ws, taken_voice, None, text_mode="bistream"))
+    assert code == 4400 and messages[-1]["code"] == "unsupported", messages
 
 
 def test_bench_against_the_ray_app(ray_cosyvoice, tmp_path):
