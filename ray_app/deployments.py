@@ -12,6 +12,7 @@ from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.rules import RequestRules
 from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.tts import MAX_STREAM_SENTENCE_CHARS, Audio, SynthesisRequest
+from grpc_async.auth import BearerToken
 from grpc_async.metrics import Metrics
 from grpc_async.servicer import CosyVoiceServicer
 from http_api import Backend, create_app
@@ -71,29 +72,36 @@ class CosyVoiceIngress:
                                                                        config.limits.max_text_chars))
         self.http = Backend(config=config, metrics=metrics, limiter=self.servicer.limiter,
                             synthesizer=self.servicer._synth)
+        # server.auth_token on gRPC (health exempt) is checked here, since Ray's proxy runs no
+        # interceptors; the HTTP app checks it itself
+        self.token = BearerToken(config.server.auth_token) if config.server.auth_token else None
 
     def __serve_build_asgi_app__(self):
         return create_app(self.http)
 
     async def Synthesize(self, request, grpc_context):
-        async for message in serve_streaming(self.servicer.Synthesize, request, grpc_context):
+        async for message in serve_streaming(self.servicer.Synthesize, request, grpc_context, self.token):
             yield message
 
     async def StreamSynthesize(self, request_stream, grpc_context):
-        async for message in serve_streaming(self.servicer.StreamSynthesize, request_stream, grpc_context):
+        async for message in serve_streaming(self.servicer.StreamSynthesize, request_stream, grpc_context,
+                                             self.token):
             yield message
 
     async def RegisterSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.RegisterSpeaker, request, grpc_context)
+        return await serve_unary(self.servicer.RegisterSpeaker, request, grpc_context, self.token)
 
     async def GetSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.GetSpeaker, request, grpc_context)
+        return await serve_unary(self.servicer.GetSpeaker, request, grpc_context, self.token)
 
     async def ListSpeakers(self, request, grpc_context):
-        return await serve_unary(self.servicer.ListSpeakers, request, grpc_context)
+        return await serve_unary(self.servicer.ListSpeakers, request, grpc_context, self.token)
 
     async def DeleteSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.DeleteSpeaker, request, grpc_context)
+        return await serve_unary(self.servicer.DeleteSpeaker, request, grpc_context, self.token)
+
+    async def GetServerInfo(self, request, grpc_context):
+        return await serve_unary(self.servicer.GetServerInfo, request, grpc_context, self.token)
 
     # grpc.health.v1: this ingress exists once a model replica answered (see __init__); Ray
     # replaces dead model replicas behind it.

@@ -57,6 +57,7 @@ class RemoteSynthesizer:
     registration run on a model replica; speakers are read from the shared store, and `rules`
     (the same limits as the replicas') check text before a replica is asked."""
     ready = True
+    supports_bistream = False  # see synthesize_stream
 
     def __init__(self, model: DeploymentHandle, speakers: SpeakerStoreBase, sample_rate: int, rules: RequestRules,
                  text_idle_seconds: float = 30.0, max_sentence_chars: int = MAX_STREAM_SENTENCE_CHARS):

@@ -44,6 +44,9 @@ pytestmark = pytest.mark.slow
 
 TEXT = "Hello there, this is a small test."
 PROMPT_TEXT = "The morning train was late again, so I walked along the river."
+TOKEN = "ray-s3cret"  # server.auth_token: both ingresses check it, as the plain server does
+AUTH = (("authorization", f"Bearer {TOKEN}"),)  # gRPC metadata
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 REPLICA_REQUESTS = 3  # max_ongoing_requests of each of the two model replicas
 STREAM_LIMIT = 2 * REPLICA_REQUESTS  # limits.max_concurrent_streams of the ingress: what both replicas run
 
@@ -72,7 +75,7 @@ def app_config(tiny_dir, redis_server) -> dict:
     return {
         "model": {"dir": str(tiny_dir)},
         "speakers": {"backend": "redis", "redis_url": redis_server.url, "redis_prefix": f"ray-{uuid.uuid4().hex}"},
-        "server": {"port": 0, "http_port": 0, "grace_seconds": 1},
+        "server": {"port": 0, "http_port": 0, "grace_seconds": 1, "auth_token": TOKEN},
         "limits": {"max_concurrent_streams": STREAM_LIMIT},
     }
 
@@ -107,7 +110,7 @@ def _request(client: CosyVoiceClient, **kwargs) -> pb2.SynthesizeRequest:
 
 async def _synthesize(stub, request, started: asyncio.Event | None = None) -> tuple[str, str]:
     """-> (status name, replica that served it)."""
-    call = stub.Synthesize(request)
+    call = stub.Synthesize(request, metadata=AUTH)
     try:
         final = False
         async for chunk in call:
@@ -126,12 +129,12 @@ HTTP_TEXT = "Hi there."  # the random-weight model speaks to its length limit: k
 
 def _speech(base: str, voice: str, **fields) -> httpx.Response:
     body = {"model": "tts-1", "input": HTTP_TEXT, "voice": voice, "response_format": "pcm", **fields}
-    return httpx.post(f"{base}/v1/audio/speech", json=body, timeout=300)
+    return httpx.post(f"{base}/v1/audio/speech", json=body, headers=HEADERS, timeout=300)
 
 
 def _register(base: str, voice: str, prompt: bytes) -> httpx.Response:
     return httpx.post(f"{base}/v1/audio/voices", data={"id": voice, "transcript": PROMPT_TEXT},
-                      files={"audio": ("prompt.wav", prompt, "audio/wav")}, timeout=300)
+                      files={"audio": ("prompt.wav", prompt, "audio/wav")}, headers=HEADERS, timeout=300)
 
 
 def _pcm(response: httpx.Response) -> np.ndarray:
@@ -157,7 +160,7 @@ def test_http_ingress_speaks_like_the_plain_server_and_shares_voices(ray_cosyvoi
     assert np.corrcoef(through_ray, plain_audio)[0, 1] > 0.99, np.abs(through_ray - plain_audio).max()
 
     async def through_grpc():
-        async with CosyVoiceClient(ray_cosyvoice.grpc) as client:
+        async with CosyVoiceClient(ray_cosyvoice.grpc, token=TOKEN) as client:
             # ... and through Ray's gRPC ingress
             chunks = [c async for c in client.synthesize(HTTP_TEXT, stream=True, encoding="pcm16", max_tokens=20,
                                                          mode="zero_shot_by_spk_id", speaker_id="http_voice")]
@@ -166,11 +169,11 @@ def test_http_ingress_speaks_like_the_plain_server_and_shares_voices(ray_cosyvoi
             await client.register_speaker("grpc_voice", PROMPT_TEXT, prompt)
 
     asyncio.run(through_grpc())
-    listed = httpx.get(f"{ray_cosyvoice.http}/v1/audio/voices", timeout=60).json()
+    listed = httpx.get(f"{ray_cosyvoice.http}/v1/audio/voices", headers=HEADERS, timeout=60).json()
     assert {"http_voice", "grpc_voice"} <= {v["id"] for v in listed["data"]}
 
     # streaming through Ray's proxy: SSE events arrive as they are made, in several reads
-    with httpx.Client(timeout=300) as http, http.stream(
+    with httpx.Client(headers=HEADERS, timeout=300) as http, http.stream(
             "POST", f"{ray_cosyvoice.http}/v1/audio/speech", json={
                 "model": "tts-1", "input": HTTP_TEXT, "voice": "grpc_voice", "response_format": "pcm",
                 "stream_format": "sse"}) as response:
@@ -184,13 +187,14 @@ def test_http_ingress_speaks_like_the_plain_server_and_shares_voices(ray_cosyvoi
     assert len(audio) == events[-1]["usage"]["output_tokens"] * 960 * 2  # 25 tokens/s, 24 kHz, s16
 
     # a voice deleted through HTTP is gone for gRPC too
-    assert httpx.delete(f"{ray_cosyvoice.http}/v1/audio/voices/grpc_voice", timeout=60).status_code == 200
+    assert httpx.delete(f"{ray_cosyvoice.http}/v1/audio/voices/grpc_voice", headers=HEADERS,
+                        timeout=60).status_code == 200
 
     async def gone():
-        async with CosyVoiceClient(ray_cosyvoice.grpc) as client:
+        async with CosyVoiceClient(ray_cosyvoice.grpc, token=TOKEN) as client:
             stub = pb2_grpc.CosyVoiceStub(client.channel)
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.GetSpeaker(pb2.GetSpeakerRequest(speaker_id="grpc_voice"))
+                await stub.GetSpeaker(pb2.GetSpeakerRequest(speaker_id="grpc_voice"), metadata=AUTH)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
     asyncio.run(gone())
@@ -219,8 +223,10 @@ def test_http_errors_through_ray_are_the_plain_servers(ray_cosyvoice, plain, tak
                                            "files": {"audio": ("p.wav", prompt, "audio/wav")}}),
         (409, "POST", "/v1/audio/voices", {"data": {"id": taken_voice, "transcript": PROMPT_TEXT},
                                            "files": {"audio": ("p.wav", prompt, "audio/wav")}}),
+        (401, "GET", "/v1/audio/voices", {"headers": {"Authorization": "Bearer wrong"}}),
+        (401, "POST", "/v1/audio/speech", {"json": speech, "headers": {"Authorization": ""}}),
     ]
-    with httpx.Client(timeout=300) as http:
+    with httpx.Client(headers=HEADERS, timeout=300) as http:
         # the routes without a token: probes, models, the web page
         for path in ["/healthz", "/readyz", "/v1/models", "/"]:
             through_ray, direct = http.get(ray_cosyvoice.http + path), http.get(plain.http + path)
@@ -232,19 +238,48 @@ def test_http_errors_through_ray_are_the_plain_servers(ray_cosyvoice, plain, tak
             assert (through_ray.status_code, direct.status_code) == (status, status), (path, through_ray.text)
             assert through_ray.json() == direct.json() and set(direct.json()) == {"error"}, path
 
+    # gRPC: the token is checked through Ray too (health exempt), with the plain server's status
+    async def without_token(target: str) -> list[tuple[str, str]]:
+        async with CosyVoiceClient(target) as client:
+            await client.wait_ready(60)  # health needs no token
+            statuses = []
+            for call in [client.stub.ListSpeakers(pb2.ListSpeakersRequest()),
+                         client.stub.Synthesize(client.synthesize_request(HTTP_TEXT, mode="zero_shot_by_spk_id",
+                                                                          speaker_id=taken_voice)),
+                         client.stub.GetServerInfo(pb2.GetServerInfoRequest(), metadata=(("authorization", "x"),))]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await (call.read() if isinstance(call, grpc.aio.UnaryStreamCall) else call)
+                statuses.append((e.value.code().name, e.value.details()))
+            return statuses
+
+    through_ray, direct = asyncio.run(without_token(ray_cosyvoice.grpc)), asyncio.run(without_token(plain.grpc))
+    assert through_ray == direct and {code for code, _ in direct} == {"UNAUTHENTICATED"}, through_ray
+
+
+def test_server_info_through_ray(ray_cosyvoice, plain):
+    async def info(target: str) -> pb2.GetServerInfoResponse:
+        async with CosyVoiceClient(target, token=TOKEN) as client:
+            return await client.stub.GetServerInfo(pb2.GetServerInfoRequest(), metadata=AUTH)
+
+    through_ray, direct = asyncio.run(info(ray_cosyvoice.grpc)), asyncio.run(info(plain.grpc))
+    assert through_ray.ready and not through_ray.bistream  # bistream is not served through Ray
+    for field in ["model", "modes", "audio_encodings", "native_sample_rate", "default_encoding", "limits",
+                  "engine", "version"]:
+        assert getattr(through_ray, field) == getattr(direct, field), field
+
 
 def test_http_overload_through_ray_is_429(ray_cosyvoice, taken_voice):
     """gRPC and HTTP share the ingress's stream limit, as in the plain server."""
     async def scenario():
-        async with CosyVoiceClient(ray_cosyvoice.grpc) as client:
+        async with CosyVoiceClient(ray_cosyvoice.grpc, token=TOKEN) as client:
             stub = pb2_grpc.CosyVoiceStub(client.channel)
             long = client.synthesize_request(TEXT, stream=True, encoding="pcm16", max_tokens=400,
                                              mode="zero_shot_by_spk_id", speaker_id=taken_voice)
-            calls = [stub.Synthesize(long) for _ in range(STREAM_LIMIT)]
+            calls = [stub.Synthesize(long, metadata=AUTH) for _ in range(STREAM_LIMIT)]
             try:
                 for call in calls:  # each has its first chunk: each holds a slot
                     assert (await call.read()).index == 0
-                async with httpx.AsyncClient(timeout=60) as http:
+                async with httpx.AsyncClient(headers=HEADERS, timeout=60) as http:
                     return await http.post(f"{ray_cosyvoice.http}/v1/audio/speech", json={
                         "model": "tts-1", "input": HTTP_TEXT, "voice": taken_voice, "response_format": "pcm"})
             finally:
@@ -260,7 +295,7 @@ def test_http_overload_through_ray_is_429(ray_cosyvoice, taken_voice):
 
 async def _websocket(url: str, voice: str, texts: list[str] | None, **config) -> tuple[list[dict], int | None]:
     """One WebSocket session (texts None: the config only): -> the server's messages and the close code."""
-    async with ws_connect(url, max_size=None) as ws:
+    async with ws_connect(url, max_size=None, additional_headers=HEADERS) as ws:
         await ws.send(json.dumps({"type": "config", "voice": voice, "format": "pcm", "options": {"seed": 2},
                                   **config}))
         for text in texts or ():
@@ -293,7 +328,7 @@ def test_websocket_through_ray(ray_cosyvoice, plain, taken_voice):
 
 def test_bench_against_the_ray_app(ray_cosyvoice, tmp_path):
     out = tmp_path / "bench.json"
-    code = cli_main(["bench", "--target", ray_cosyvoice.grpc, "--concurrency", "2", "--requests", "4", "--tokens", "20",
+    code = cli_main(["bench", "--target", ray_cosyvoice.grpc, "--token", TOKEN, "--concurrency", "2", "--requests", "4", "--tokens", "20",
                      "--prompt-seconds", "1", "--no-warmup", "--quiet", "--no-plots", "--out", str(out)])
     (level,) = json.loads(out.read_text())["levels"]
     assert code == 0 and level["errors"] == 0 and level["requests"] == 4
@@ -304,11 +339,11 @@ def test_two_replicas_share_speakers_and_survive_a_kill(ray_cosyvoice, golden_di
     prompt = audio_data((golden_dir / "prompt_24k.wav").read_bytes())
 
     async def scenario():
-        async with CosyVoiceClient(ray_cosyvoice.grpc) as client:
+        async with CosyVoiceClient(ray_cosyvoice.grpc, token=TOKEN) as client:
             stub = pb2_grpc.CosyVoiceStub(client.channel)
             # register through one replica...
             call = stub.RegisterSpeaker(pb2.RegisterSpeakerRequest(
-                speaker_id="ray_voice", prompt_text=PROMPT_TEXT, prompt_audio=prompt))
+                speaker_id="ray_voice", prompt_text=PROMPT_TEXT, prompt_audio=prompt), metadata=AUTH)
             await call
             first = dict(await call.trailing_metadata())[REPLICA_TRAILER]
             # ... and use it through the other
@@ -330,7 +365,7 @@ def test_two_replicas_share_speakers_and_survive_a_kill(ray_cosyvoice, golden_di
 
             # errors keep their status codes across the replica boundary
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.GetSpeaker(pb2.GetSpeakerRequest(speaker_id="nobody"))
+                await stub.GetSpeaker(pb2.GetSpeakerRequest(speaker_id="nobody"), metadata=AUTH)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
             missing = _request(client, mode="zero_shot_by_spk_id", speaker_id="nobody")
             assert (await _synthesize(stub, missing))[0] == "NOT_FOUND"
@@ -341,7 +376,8 @@ def test_two_replicas_share_speakers_and_survive_a_kill(ray_cosyvoice, golden_di
             started = [asyncio.Event() for _ in range(6)]
             streams = [asyncio.create_task(_synthesize(stub, long, s)) for s in started]
             registrations = [asyncio.ensure_future(stub.RegisterSpeaker(pb2.RegisterSpeakerRequest(
-                speaker_id=f"load_{i}", prompt_text=PROMPT_TEXT, prompt_audio=prompt))) for i in range(4)]
+                speaker_id=f"load_{i}", prompt_text=PROMPT_TEXT, prompt_audio=prompt), metadata=AUTH))
+                for i in range(4)]
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
             ray.kill(ray.get_actor(first, namespace="serve"), no_restart=True)
             results = await asyncio.gather(*streams)
