@@ -4,7 +4,7 @@
 
 `CosyVoiceModel` replicas each hold a Synthesizer (on their `num_gpus` devices, `model.devices`
 inside a replica works as in a plain server) and autoscale on ongoing requests;
-`CosyVoiceIngress` serves the cosyvoice.v1 service (all five RPCs, the bidirectional
+`CosyVoiceIngress` serves the cosyvoice.v1 service (all seven RPCs, the bidirectional
 StreamSynthesize included) through our own servicer and the HTTP API (OpenAI /v1/audio/speech,
 voices, the WebSocket, the web page) through the http_api app, both over one RemoteSynthesizer
 that turns a model replica that dies under a request into UNAVAILABLE / 503 (or a retry on
