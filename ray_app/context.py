@@ -66,9 +66,9 @@ class RayCallContext:
         return self.ray_context.invocation_metadata()
 
 
-def authorize(token: BearerToken | None, ray_context) -> None:
+def authorize(auth: BearerToken | None, ray_context) -> None:
     """What the plain server's BearerAuthInterceptor does: UNAUTHENTICATED without the token."""
-    problem = None if token is None else token.problem(ray_context.invocation_metadata())
+    problem = None if auth is None else auth.problem(ray_context.invocation_metadata())
     if problem is not None:
         log.info("rpc status=UNAUTHENTICATED detail=%r", problem)
         ray_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
@@ -77,9 +77,9 @@ def authorize(token: BearerToken | None, ray_context) -> None:
 
 
 async def serve_streaming(handler: Callable[[Any, RayCallContext], Awaitable[None]], request,
-                          ray_context, token: BearerToken | None = None) -> AsyncIterator:
+                          ray_context, auth: BearerToken | None = None) -> AsyncIterator:
     """Run a grpc.aio streaming handler (after the token check); yield what it writes; raise what it raised."""
-    authorize(token, ray_context)
+    authorize(auth, ray_context)
     call = RayCallContext(ray_context)
     token = current_call.set(call)
     task = asyncio.ensure_future(handler(request, call))
@@ -94,8 +94,8 @@ async def serve_streaming(handler: Callable[[Any, RayCallContext], Awaitable[Non
 
 
 async def serve_unary(handler: Callable[[Any, RayCallContext], Awaitable[Any]], request, ray_context,
-                      token: BearerToken | None = None):
-    authorize(token, ray_context)
+                      auth: BearerToken | None = None):
+    authorize(auth, ray_context)
     call = RayCallContext(ray_context)
     token = current_call.set(call)
     try:

@@ -74,34 +74,34 @@ class CosyVoiceIngress:
                             synthesizer=self.servicer._synth)
         # server.auth_token on gRPC (health exempt) is checked here, since Ray's proxy runs no
         # interceptors; the HTTP app checks it itself
-        self.token = BearerToken(config.server.auth_token) if config.server.auth_token else None
+        self.auth = BearerToken(config.server.auth_token) if config.server.auth_token else None
 
     def __serve_build_asgi_app__(self):
         return create_app(self.http)
 
     async def Synthesize(self, request, grpc_context):
-        async for message in serve_streaming(self.servicer.Synthesize, request, grpc_context, self.token):
+        async for message in serve_streaming(self.servicer.Synthesize, request, grpc_context, self.auth):
             yield message
 
     async def StreamSynthesize(self, request_stream, grpc_context):
         async for message in serve_streaming(self.servicer.StreamSynthesize, request_stream, grpc_context,
-                                             self.token):
+                                             self.auth):
             yield message
 
     async def RegisterSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.RegisterSpeaker, request, grpc_context, self.token)
+        return await serve_unary(self.servicer.RegisterSpeaker, request, grpc_context, self.auth)
 
     async def GetSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.GetSpeaker, request, grpc_context, self.token)
+        return await serve_unary(self.servicer.GetSpeaker, request, grpc_context, self.auth)
 
     async def ListSpeakers(self, request, grpc_context):
-        return await serve_unary(self.servicer.ListSpeakers, request, grpc_context, self.token)
+        return await serve_unary(self.servicer.ListSpeakers, request, grpc_context, self.auth)
 
     async def DeleteSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.DeleteSpeaker, request, grpc_context, self.token)
+        return await serve_unary(self.servicer.DeleteSpeaker, request, grpc_context, self.auth)
 
     async def GetServerInfo(self, request, grpc_context):
-        return await serve_unary(self.servicer.GetServerInfo, request, grpc_context, self.token)
+        return await serve_unary(self.servicer.GetServerInfo, request, grpc_context, self.auth)
 
     # grpc.health.v1: this ingress exists once a model replica answered (see __init__); Ray
     # replaces dead model replicas behind it.
