@@ -268,31 +268,6 @@ def test_server_info_through_ray(ray_cosyvoice, plain):
         assert getattr(through_ray, field) == getattr(direct, field), field
 
 
-def test_http_overload_through_ray_is_429(ray_cosyvoice, taken_voice):
-    """gRPC and HTTP share the ingress's stream limit, as in the plain server."""
-    async def scenario():
-        async with CosyVoiceClient(ray_cosyvoice.grpc, token=TOKEN) as client:
-            stub = pb2_grpc.CosyVoiceStub(client.channel)
-            long = client.synthesize_request(TEXT, stream=True, encoding="pcm16", max_tokens=400,
-                                             mode="zero_shot_by_spk_id", speaker_id=taken_voice)
-            calls = [stub.Synthesize(long, metadata=AUTH) for _ in range(STREAM_LIMIT)]
-            try:
-                for call in calls:  # each has its first chunk: each holds a slot
-                    assert (await call.read()).index == 0
-                async with httpx.AsyncClient(headers=HEADERS, timeout=60) as http:
-                    return await http.post(f"{ray_cosyvoice.http}/v1/audio/speech", json={
-                        "model": "tts-1", "input": HTTP_TEXT, "voice": taken_voice, "response_format": "pcm"})
-            finally:
-                for call in calls:
-                    call.cancel()
-
-    response = asyncio.run(scenario())
-    assert response.status_code == 429 and response.headers["retry-after"] == "1", response.text
-    error = response.json()["error"]
-    assert (error["code"], error["type"]) == ("overloaded", "rate_limit_error")
-    assert error["message"].startswith(f"{STREAM_LIMIT} synthesis streams are already running")
-
-
 async def _websocket(url: str, voice: str, texts: list[str] | None, **config) -> tuple[list[dict], int | None]:
     """One WebSocket session (texts None: the config only): -> the server's messages and the close code."""
     async with ws_connect(url, max_size=None, additional_headers=HEADERS) as ws:
@@ -324,6 +299,32 @@ def test_websocket_through_ray(ray_cosyvoice, plain, taken_voice):
     # bistream needs one LM request fed for the whole text, which a replica call cannot be
     messages, code = asyncio.run(_websocket(ray_cosyvoice.ws, taken_voice, None, text_mode="bistream"))
     assert code == 4400 and messages[-1]["code"] == "unsupported", messages
+
+
+def test_http_overload_through_ray_is_429(ray_cosyvoice, taken_voice):
+    """gRPC and HTTP share the ingress's stream limit, as in the plain server. (Next come tests
+    that need at most 2 slots: the cancelled streams have time to let theirs go.)"""
+    async def scenario():
+        async with CosyVoiceClient(ray_cosyvoice.grpc, token=TOKEN) as client:
+            stub = pb2_grpc.CosyVoiceStub(client.channel)
+            long = client.synthesize_request(TEXT, stream=True, encoding="pcm16", max_tokens=400,
+                                             mode="zero_shot_by_spk_id", speaker_id=taken_voice)
+            calls = [stub.Synthesize(long, metadata=AUTH) for _ in range(STREAM_LIMIT)]
+            try:
+                for call in calls:  # each has its first chunk: each holds a slot
+                    assert (await call.read()).index == 0
+                async with httpx.AsyncClient(headers=HEADERS, timeout=60) as http:
+                    return await http.post(f"{ray_cosyvoice.http}/v1/audio/speech", json={
+                        "model": "tts-1", "input": HTTP_TEXT, "voice": taken_voice, "response_format": "pcm"})
+            finally:
+                for call in calls:
+                    call.cancel()
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 429 and response.headers["retry-after"] == "1", response.text
+    error = response.json()["error"]
+    assert (error["code"], error["type"]) == ("overloaded", "rate_limit_error")
+    assert error["message"].startswith(f"{STREAM_LIMIT} synthesis streams are already running")
 
 
 def test_bench_against_the_ray_app(ray_cosyvoice, tmp_path):
