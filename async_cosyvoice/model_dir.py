@@ -279,32 +279,31 @@ def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
 
 class Models(NamedTuple):
     llm: torch.nn.Module | None
-    flow: torch.nn.Module
-    hift: torch.nn.Module
+    flow: torch.nn.Module | None
+    hift: torch.nn.Module | None
 
 
 def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, llm_dtype: torch.dtype | None = None,
-                 with_llm: bool = True) -> Models:
+                 with_llm: bool = True, with_token2wav: bool = True) -> Models:
     """Build `CosyVoice2LM`, `Flow` and `HiFT` from the dims, load the weights strictly, move them to
     `device` (flow in `dtype`, the LM in `llm_dtype` (default `dtype`), HiFT always float32) and put
-    them in eval mode. `with_llm=False` leaves `Models.llm` None (an engine that loads the LM itself)."""
+    them in eval mode. `with_llm=False` leaves `Models.llm` None (an engine that loads the LM itself);
+    `with_token2wav=False` leaves `flow` and `hift` None (a device that runs only the LM)."""
     from async_cosyvoice.models.flow.flow import Flow
     from async_cosyvoice.models.hift import HiFT
     from async_cosyvoice.models.llm import CosyVoice2LM
 
     md = model_dir if isinstance(model_dir, ModelDir) else load_model_dir(model_dir)
-    parts = [
-        (Flow, md.dims.flow, md.flow_state_dict, FLOW_FILE, dtype),
-        (HiFT, md.dims.hift, md.hift_state_dict, HIFT_FILE, torch.float32),
-    ]
-    if with_llm:
-        parts.insert(0, (CosyVoice2LM, md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype))
-    built = [] if with_llm else [None]
-    for cls, dims, loader, file, mod_dtype in parts:
+
+    def load(cls, dims, state_dict, file: str, mod_dtype: torch.dtype) -> torch.nn.Module:
         module = cls(dims)
-        sd = loader()
+        sd = state_dict()
         load_strict(module, sd, file)
         del sd
-        built.append(module.to(device=device, dtype=mod_dtype).eval())
-    return Models(*built)
+        return module.to(device=device, dtype=mod_dtype).eval()
+
+    return Models(
+        llm=load(CosyVoice2LM, md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype) if with_llm else None,
+        flow=load(Flow, md.dims.flow, md.flow_state_dict, FLOW_FILE, dtype) if with_token2wav else None,
+        hift=load(HiFT, md.dims.hift, md.hift_state_dict, HIFT_FILE, torch.float32) if with_token2wav else None)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
@@ -230,16 +231,20 @@ def build_token2wav_batcher(config: Config, model_dir: ModelDir, device: str) ->
     return token2wav_batcher(config, models, model_dir)
 
 
+def build_token2wav_pool(config: Config, model_dir: ModelDir, devices: list[str]) -> Token2WavPool:
+    """One token2wav worker per device, loaded side by side."""
+    with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="token2wav-load") as pool:
+        batchers = list(pool.map(lambda d: build_token2wav_batcher(config, model_dir, d), devices))
+    return Token2WavPool(batchers, devices)
+
+
 async def create_disaggregated(config: Config, warmup: bool = True) -> Synthesizer:
-    """A Synthesizer on the first device whose batcher is a Token2WavPool over the other devices."""
+    """A Synthesizer on the first device (the LM only: no flow or HiFT there) whose batcher is a
+    Token2WavPool over the other devices."""
     llm_device, *t2w_devices = devices_of(config)
-    synth = await Synthesizer.create(on_device(config, llm_device), warmup=False)
-    loop = asyncio.get_running_loop()
-    batchers = await asyncio.gather(*(loop.run_in_executor(None, build_token2wav_batcher, config, synth.model_dir, d)
-                                      for d in t2w_devices))
-    await synth.batcher.close()  # the first device runs only the LLM
-    pool = Token2WavPool(list(batchers), t2w_devices)
-    synth.batcher = pool
+    synth = await Synthesizer.create(on_device(config, llm_device), warmup=False,
+                                     token2wav=lambda model_dir: build_token2wav_pool(config, model_dir, t2w_devices))
+    pool = synth.batcher
     if warmup:
         synth.ready = False
         for _ in pool.workers:  # sequential streams go round the workers: each is warmed once

@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Iterator, Literal
+from typing import AsyncIterable, AsyncIterator, Callable, Iterator, Literal
 
 import torch
 
@@ -128,9 +128,12 @@ class Synthesizer:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    async def create(cls, config: Config, warmup: bool = True) -> "Synthesizer":
-        """Load the model directory, start the engine and (optionally) warm up."""
-        synth = await asyncio.get_running_loop().run_in_executor(None, cls._build, config)
+    async def create(cls, config: Config, warmup: bool = True,
+                     token2wav: Callable[[ModelDir], Token2WavBatcher] | None = None) -> "Synthesizer":
+        """Load the model directory, start the engine and (optionally) warm up. `token2wav` builds
+        the token2wav stage elsewhere (placement's disaggregated pool): this device then loads
+        only the LM."""
+        synth = await asyncio.get_running_loop().run_in_executor(None, cls._build, config, token2wav)
         await synth.engine.start()
         if warmup:
             await synth.warmup()
@@ -138,7 +141,7 @@ class Synthesizer:
         return synth
 
     @classmethod
-    def _build(cls, config: Config) -> "Synthesizer":
+    def _build(cls, config: Config, token2wav: Callable[[ModelDir], Token2WavBatcher] | None) -> "Synthesizer":
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
         device = torch.device(config.model.device)
         if compile_in_use(config):
@@ -146,7 +149,7 @@ class Synthesizer:
         # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module
         models = build_models(model_dir, device=device, dtype=getattr(torch, config.model.flow_dtype),
                               llm_dtype=getattr(torch, config.model.llm_dtype),
-                              with_llm=config.engine.kind == "native")
+                              with_llm=config.engine.kind == "native", with_token2wav=token2wav is None)
         tokenizer = model_dir.tokenizer()
         try:
             text_frontend = TextFrontend(tokenizer)
@@ -158,7 +161,7 @@ class Synthesizer:
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
         speakers = open_speaker_store(config.speakers)
         engine = create_engine(config, models.llm, model_dir)
-        batcher = token2wav_batcher(config, models, model_dir)
+        batcher = token2wav_batcher(config, models, model_dir) if token2wav is None else token2wav(model_dir)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
                    text_frontend=text_frontend, prompt_encoder=prompt_encoder, speakers=speakers,
                    engine=engine, batcher=batcher)

@@ -13,16 +13,17 @@ log = logging.getLogger("grpc_async.server")  # one logger for the whole service
 HEALTH_EXEMPT = ("/grpc.health.v1.Health/",)
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` metadata on every RPC but health checks."""
+class BearerToken:
+    """The check of `authorization: Bearer <token>` metadata (also run by the Ray ingress, whose
+    proxy runs no interceptors)."""
 
-    def __init__(self, token: str, exempt: tuple[str, ...] = HEALTH_EXEMPT):
+    def __init__(self, token: str):
         if not token:
             raise ValueError("auth token must not be empty")
         self._expected = f"Bearer {token}".encode()
-        self._exempt = exempt
 
-    def _check(self, metadata) -> str | None:
+    def problem(self, metadata) -> str | None:
+        """What is wrong with the call's metadata, or None when it carries the token."""
         values = [v for k, v in (metadata or ()) if k == "authorization"]
         if not values:
             return "missing 'authorization: Bearer <token>' metadata"
@@ -31,10 +32,18 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             return "invalid bearer token"
         return None
 
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` metadata on every RPC but health checks."""
+
+    def __init__(self, token: str, exempt: tuple[str, ...] = HEALTH_EXEMPT):
+        self._token = BearerToken(token)
+        self._exempt = exempt
+
     async def intercept_service(self, continuation, details):
         if details.method.startswith(self._exempt):
             return await continuation(details)
-        problem = self._check(details.invocation_metadata)
+        problem = self._token.problem(details.invocation_metadata)
         handler = await continuation(details)
         if problem is None or handler is None:
             return handler

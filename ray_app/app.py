@@ -1,8 +1,9 @@
 """The Ray Serve application: `serve run ray_app.app:build config=<yaml>`.
 
 The config is our usual YAML (plus ASYNC_COSYVOICE__* overrides, read where the app is built);
-speakers should be `backend: redis` so that every replica shares them. Start Serve with the gRPC
-proxy on, naming our servicer function (deploy/ray-serve.yaml does):
+speakers should be `backend: redis` so that every replica shares them. Ray's HTTP proxy (port
+8000 by default) serves the HTTP API (http_api) as it is; for gRPC, start Serve with the gRPC
+proxy on, naming our servicer functions (deploy/ray-serve.yaml does):
 
     grpc_options:
       port: 9000

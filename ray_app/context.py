@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
+
+from grpc_async.auth import BearerToken
+
+log = logging.getLogger("grpc_async.server")  # the plain server's logger: one log for the service
 
 # The Ray grpc_context of the RPC being served (read by RemoteSynthesizer to tag the response
 # with the replica that did the work).
@@ -61,9 +66,20 @@ class RayCallContext:
         return self.ray_context.invocation_metadata()
 
 
+def authorize(auth: BearerToken | None, ray_context) -> None:
+    """What the plain server's BearerAuthInterceptor does: UNAUTHENTICATED without the token."""
+    problem = None if auth is None else auth.problem(ray_context.invocation_metadata())
+    if problem is not None:
+        log.info("rpc status=UNAUTHENTICATED detail=%r", problem)
+        ray_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+        ray_context.set_details(problem)
+        raise Aborted(problem)
+
+
 async def serve_streaming(handler: Callable[[Any, RayCallContext], Awaitable[None]], request,
-                          ray_context) -> AsyncIterator:
-    """Run a grpc.aio streaming handler; yield what it writes; raise what it raised."""
+                          ray_context, auth: BearerToken | None = None) -> AsyncIterator:
+    """Run a grpc.aio streaming handler (after the token check); yield what it writes; raise what it raised."""
+    authorize(auth, ray_context)
     call = RayCallContext(ray_context)
     token = current_call.set(call)
     task = asyncio.ensure_future(handler(request, call))
@@ -77,7 +93,9 @@ async def serve_streaming(handler: Callable[[Any, RayCallContext], Awaitable[Non
         task.cancel()
 
 
-async def serve_unary(handler: Callable[[Any, RayCallContext], Awaitable[Any]], request, ray_context):
+async def serve_unary(handler: Callable[[Any, RayCallContext], Awaitable[Any]], request, ray_context,
+                      auth: BearerToken | None = None):
+    authorize(auth, ray_context)
     call = RayCallContext(ray_context)
     token = current_call.set(call)
     try:

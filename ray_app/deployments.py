@@ -1,4 +1,4 @@
-"""The two Ray Serve deployments: model replicas and the gRPC ingress."""
+"""The two Ray Serve deployments: model replicas and the ingress (gRPC and HTTP)."""
 from __future__ import annotations
 
 import logging
@@ -9,10 +9,13 @@ from ray.serve.handle import DeploymentHandle
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.placement import create_synthesizer
+from async_cosyvoice.rules import RequestRules
 from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.tts import MAX_STREAM_SENTENCE_CHARS, Audio, SynthesisRequest
+from grpc_async.auth import BearerToken
 from grpc_async.metrics import Metrics
 from grpc_async.servicer import CosyVoiceServicer
+from http_api import Backend, create_app
 
 from .context import serve_streaming, serve_unary
 from .remote import RemoteSynthesizer, ServedBy
@@ -50,37 +53,55 @@ class CosyVoiceModel:
 
 
 @serve.deployment(name="CosyVoiceIngress", max_ongoing_requests=256)
+@serve.ingress()  # the app is built per replica, by __serve_build_asgi_app__
 class CosyVoiceIngress:
-    """Ray's gRPC proxy calls these by RPC name; each runs our grpc servicer's handler."""
+    """Both of Ray's proxies end here. The gRPC proxy calls the methods below by RPC name, each
+    running our grpc servicer's handler; the HTTP proxy calls the http_api app. As in the plain
+    server, both front doors share one synthesizer (here the model deployment's handle), one
+    stream limiter and one Metrics."""
 
     async def __init__(self, model: DeploymentHandle, config_json: str):
         config = Config.model_validate_json(config_json)
         info = await model.describe.remote()  # waits for a model replica
-        self.servicer = CosyVoiceServicer(config, Metrics())
+        metrics = Metrics()
+        self.servicer = CosyVoiceServicer(config, metrics)
         self.servicer.synth = RemoteSynthesizer(model, open_speaker_store(config.speakers), info["sample_rate"],
+                                                RequestRules.from_config(config),
                                                 text_idle_seconds=config.limits.text_idle_seconds,
                                                 max_sentence_chars=min(MAX_STREAM_SENTENCE_CHARS,
                                                                        config.limits.max_text_chars))
+        self.http = Backend(config=config, metrics=metrics, limiter=self.servicer.limiter,
+                            synthesizer=self.servicer._synth)
+        # server.auth_token on gRPC (health exempt) is checked here, since Ray's proxy runs no
+        # interceptors; the HTTP app checks it itself
+        self.auth = BearerToken(config.server.auth_token) if config.server.auth_token else None
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.http)
 
     async def Synthesize(self, request, grpc_context):
-        async for message in serve_streaming(self.servicer.Synthesize, request, grpc_context):
+        async for message in serve_streaming(self.servicer.Synthesize, request, grpc_context, self.auth):
             yield message
 
     async def StreamSynthesize(self, request_stream, grpc_context):
-        async for message in serve_streaming(self.servicer.StreamSynthesize, request_stream, grpc_context):
+        async for message in serve_streaming(self.servicer.StreamSynthesize, request_stream, grpc_context,
+                                             self.auth):
             yield message
 
     async def RegisterSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.RegisterSpeaker, request, grpc_context)
+        return await serve_unary(self.servicer.RegisterSpeaker, request, grpc_context, self.auth)
 
     async def GetSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.GetSpeaker, request, grpc_context)
+        return await serve_unary(self.servicer.GetSpeaker, request, grpc_context, self.auth)
 
     async def ListSpeakers(self, request, grpc_context):
-        return await serve_unary(self.servicer.ListSpeakers, request, grpc_context)
+        return await serve_unary(self.servicer.ListSpeakers, request, grpc_context, self.auth)
 
     async def DeleteSpeaker(self, request, grpc_context):
-        return await serve_unary(self.servicer.DeleteSpeaker, request, grpc_context)
+        return await serve_unary(self.servicer.DeleteSpeaker, request, grpc_context, self.auth)
+
+    async def GetServerInfo(self, request, grpc_context):
+        return await serve_unary(self.servicer.GetServerInfo, request, grpc_context, self.auth)
 
     # grpc.health.v1: this ingress exists once a model replica answered (see __init__); Ray
     # replaces dead model replicas behind it.

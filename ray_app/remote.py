@@ -22,6 +22,7 @@ from async_cosyvoice.engine.base import EngineStats
 from async_cosyvoice.errors import CosyVoiceError, InvalidRequest, NotReady, Unsupported
 from async_cosyvoice.frontend.sentences import complete_sentences
 from async_cosyvoice.request import Audio, AudioChunk, SynthesisRequest
+from async_cosyvoice.rules import RequestRules
 from async_cosyvoice.speakers import SpeakerStoreBase
 from async_cosyvoice.tts import MAX_STREAM_SENTENCE_CHARS, checked_pieces
 
@@ -52,13 +53,18 @@ def _tag(replica: str) -> None:
 
 
 class RemoteSynthesizer:
+    """What the front doors (gRPC servicer, HTTP app) call on a Synthesizer: synthesis and
+    registration run on a model replica; speakers are read from the shared store, and `rules`
+    (the same limits as the replicas') check text before a replica is asked."""
     ready = True
+    supports_bistream = False  # see synthesize_stream
 
-    def __init__(self, model: DeploymentHandle, speakers: SpeakerStoreBase, sample_rate: int,
+    def __init__(self, model: DeploymentHandle, speakers: SpeakerStoreBase, sample_rate: int, rules: RequestRules,
                  text_idle_seconds: float = 30.0, max_sentence_chars: int = MAX_STREAM_SENTENCE_CHARS):
         self.model = model
         self.speakers = speakers
         self.sample_rate = sample_rate
+        self.rules = rules
         self.text_idle_seconds = text_idle_seconds
         self.max_sentence_chars = max_sentence_chars
 

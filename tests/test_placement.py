@@ -5,6 +5,7 @@ on 127.0.0.1 with the fixture model."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import urllib.request
@@ -15,6 +16,9 @@ import pytest
 
 from cosyvoice_cli.cli import main as cli_main
 from async_cosyvoice.config import Config
+from async_cosyvoice.models.flow.flow import Flow
+from async_cosyvoice.models.hift import HiFT
+from async_cosyvoice.models.llm import CosyVoice2LM
 from async_cosyvoice.placement import ReplicaRouter, Token2WavPool, device_stats
 from grpc_async.client import CosyVoiceClient, chunk_samples
 from grpc_async.server import ServerThread
@@ -118,11 +122,28 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         assert router.ready and all(r.active == 0 for r in router.replicas)
 
 
+MODEL_CLASSES = (CosyVoice2LM, Flow, HiFT)
+
+
+def _live_models() -> list[int]:
+    """How many LM, flow and HiFT modules are alive in this process."""
+    gc.collect()
+    objects = gc.get_objects()
+    return [sum(isinstance(o, cls) for o in objects) for cls in MODEL_CLASSES]
+
+
 def test_disaggregated_streams_spread_over_token2wav_workers(tiny_dir, tmp_path, golden_dir):
+    before_load = _live_models()
     with _server(tiny_dir, tmp_path, ["cpu", "cpu", "cpu"], "disaggregated") as st:
         synth = st.server.synthesizer
         pool = synth.batcher
         assert isinstance(pool, Token2WavPool) and len(pool.workers) == 2  # devices[0] runs the LLM only
+        # what each device holds: the LM alone on the first, flow + HiFT on each other; and
+        # nothing else was loaded (no flow or HiFT built for the LM device and left behind)
+        held = [{type(m).__name__ for m in synth.models if m is not None},
+                *({type(w.runner.flow).__name__, type(w.runner.hift).__name__} for w in pool.workers)]
+        assert held == [{"CosyVoice2LM"}, {"Flow", "HiFT"}, {"Flow", "HiFT"}], held
+        assert [n - b for n, b in zip(_live_models(), before_load)] == [1, 2, 2]
         assert [s.role for s in device_stats(synth)] == ["llm", "token2wav", "token2wav"]
         prompt = (golden_dir / "prompt_24k.wav").read_bytes()
         before = [w.served for w in pool.workers]
