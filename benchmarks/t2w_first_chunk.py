@@ -1,19 +1,34 @@
 """token2wav alone (no LLM, no service): per-chunk wall time of one streamed utterance, the first
-chunk split into flow and HiFT, and a torch.profiler table of one first chunk (host vs device time).
+chunk split into flow and HiFT, and the kernel launches of one first chunk — for each estimator
+set-up asked for (`--setups`):
 
-    python benchmarks/t2w_first_chunk.py --model-dir DIR [--device cuda] [--dtype float16]
+- `eager`: the flow's PyTorch estimator, recomputing the prefix (flow_cache off);
+- `compiled`: the compiled estimator with CUDA graphs per (batch, length) bucket (recomputing);
+- `cache`: the exact flow cache (the flow's eager PyTorch module on new frames only).
+
+Kernel launches are counted from a torch.profiler trace of one first chunk (flow + HiFT): runtime
+calls `cudaLaunchKernel*` / `cuLaunchKernel*` (one kernel each) and `cudaGraphLaunch` (one captured
+graph, however many kernels it holds), split into the flow and HiFT halves.
+
+    python benchmarks/t2w_first_chunk.py --model-dir DIR [--device cuda] [--dtype float16] \\
+        [--setups eager compiled cache] [--profile-table]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from async_cosyvoice.estimator import make_estimator
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import NSFNoise
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+
+KERNEL_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+GRAPH_CALLS = ("cudaGraphLaunch",)
 
 
 def sync(device: str) -> None:
@@ -21,9 +36,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main(args) -> None:
-    models = build_models(load_model_dir(args.model_dir), device=args.device, dtype=getattr(torch, args.dtype))
-    runner = Token2WavRunner(models.flow, models.hift)
+def launches(fn, device: str) -> dict:
+    """Kernel and graph launches of fn() (CUDA only), and the host/device time the profiler saw."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    names = [e.name for e in prof.events()]
+    return {"kernels": sum(n in KERNEL_CALLS for n in names), "graphs": sum(n in GRAPH_CALLS for n in names),
+            "table": prof.key_averages().table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=60)}
+
+
+def measure(models, setup: str, args) -> dict:
+    estimator = None if setup == "cache" else make_estimator("torch" if setup == "eager" else "compiled", models.flow)
+    runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, flow_cache=setup == "cache")
     g = torch.Generator().manual_seed(0)
     prompt_token = torch.randint(0, 6561, (1, args.prompt_tokens), generator=g, dtype=torch.int32)
     prompt_feat = torch.randn(1, 2 * args.prompt_tokens, 80, generator=g)
@@ -31,13 +57,15 @@ def main(args) -> None:
     tokens = torch.randint(0, 6561, (args.tokens,), generator=g).tolist()
     schedule = ChunkSchedule(first_hop=15, prompt_align=1)
 
-    def stream(noise=None) -> Token2WavStream:
+    def stream() -> Token2WavStream:
+        # prompt_key: a registered speaker, so the cache set-up shares the prompt's prefix (as served)
         s = Token2WavStream(prompt_token, prompt_feat, embedding, stream=True, schedule=schedule,
-                            noise=noise or NSFNoise.zero())
+                            noise=NSFNoise.zero(), prompt_key="bench-speaker")
         s.append(tokens)
         return s
 
-    for rep in range(args.repeats):
+    utterances = []
+    for _ in range(args.repeats):  # the first one compiles / captures / fills the speaker's prefix
         s, times = stream(), []
         while (job := s.next_job(llm_done=True)) is not None:
             sync(args.device)
@@ -45,7 +73,7 @@ def main(args) -> None:
             runner.run(job)
             sync(args.device)
             times.append(round((time.perf_counter() - t) * 1000, 1))
-        print(f"utterance {rep}: chunk ms {times}", flush=True)
+        utterances.append(times)
 
     s = stream()
     job = s.next_job(llm_done=True)
@@ -53,20 +81,42 @@ def main(args) -> None:
     t = time.perf_counter()
     mel = runner.flow_mels([job])[0]
     sync(args.device)
-    t_flow = time.perf_counter() - t
+    flow_ms = (time.perf_counter() - t) * 1000
     hift_mel, cache = s.hift_input(job, mel)
     t = time.perf_counter()
     models.hift.inference(hift_mel, cache, NSFNoise.zero())
     sync(args.device)
-    print(f"first chunk: flow {t_flow * 1000:.1f} ms, HiFT {(time.perf_counter() - t) * 1000:.1f} ms")
+    hift_ms = (time.perf_counter() - t) * 1000
 
     s = stream()
     job = s.next_job(llm_done=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-    with profile(activities=activities) as prof:
-        runner.run(job)
-        sync(args.device)
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    flow = launches(lambda: runner.flow_mels([job]), args.device)
+    mel = runner.flow_mels([job])[0]
+    hift_mel, cache = s.hift_input(job, mel)
+    hift = launches(lambda: models.hift.inference(hift_mel, cache, NSFNoise.zero()), args.device)
+    return {"setup": setup, "chunk_ms": utterances, "first_chunk_flow_ms": round(flow_ms, 1),
+            "first_chunk_hift_ms": round(hift_ms, 1), "flow_launches": {k: flow[k] for k in ("kernels", "graphs")},
+            "hift_launches": {k: hift[k] for k in ("kernels", "graphs")}, "flow_profile": flow["table"]}
+
+
+def main(args) -> None:
+    models = build_models(load_model_dir(args.model_dir), device=args.device, dtype=getattr(torch, args.dtype))
+    results = []
+    with torch.inference_mode():
+        for setup in args.setups:
+            r = measure(models, setup, args)
+            results.append(r)
+            print(f"{setup}: utterances, chunk ms {r['chunk_ms']}", flush=True)
+            if args.profile_table:
+                print(r["flow_profile"])
+    print("\n| set-up | first chunk flow ms | HiFT ms | flow kernel launches (graph launches) | HiFT kernel launches |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['setup']} | {r['first_chunk_flow_ms']} | {r['first_chunk_hift_ms']} | "
+              f"{r['flow_launches']['kernels']} ({r['flow_launches']['graphs']}) | {r['hift_launches']['kernels']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k != "flow_profile"} for r in results], f, indent=1)
 
 
 if __name__ == "__main__":
@@ -76,5 +126,9 @@ if __name__ == "__main__":
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--tokens", type=int, default=120)
-    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--setups", nargs="+", default=["eager", "compiled", "cache"],
+                    choices=["eager", "compiled", "cache"])
+    ap.add_argument("--profile-table", action="store_true", help="print each set-up's profiler table")
+    ap.add_argument("--json", help="write the results here")
     main(ap.parse_args())
