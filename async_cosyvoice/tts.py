@@ -59,6 +59,7 @@ from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
+from .token2wav_offline import OfflineLimits
 from .utterance import Playback, Utterance
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,10 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
                              max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final)
-    return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching)
+    offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
+               if t2w.offline else None)
+    return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
+                            offline_wait_s=t2w.offline_wait_ms / 1000)
 
 
 async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float) -> AsyncIterator[str | object]:

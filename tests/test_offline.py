@@ -1,0 +1,147 @@
+"""The offline path renders non-streaming utterances in padded batches without changing any of them.
+
+Utterances of different lengths (both fixture prompts, cut to different lengths, target lengths
+18-60 tokens, speeds 0.8-1.25, seeded and zero NSF noise) rendered together (`render_offline`,
+and through the real asyncio collector of a Token2WavBatcher) must equal each one rendered alone
+by today's one-at-a-time non-streaming path (`Token2WavRunner.render` of a stream=False stream):
+the flow mel within MEL_ATOL, the audio within AUDIO_ATOL.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from async_cosyvoice.model_dir import build_models, load_model_dir
+from async_cosyvoice.models.hift import NSFNoise
+from async_cosyvoice.token2wav import Token2WavRunner, Token2WavStream
+from async_cosyvoice.token2wav_batcher import Token2WavBatcher
+from async_cosyvoice.token2wav_offline import OfflineLimits, padded_groups
+
+torch.set_num_threads(1)
+
+# The flow differs from its own call by float summation order (padded / batched GEMMs, measured
+# ~1e-6 on the mel); HiFT's NSF phase is a cumulative sum over the whole utterance and amplifies that
+# ~10x, and its own padded-vs-alone convolutions differ by ~5e-6 (measured): audio within 3e-5.
+MEL_ATOL = 1e-5
+AUDIO_ATOL = 3e-5
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return build_models(load_model_dir(tiny_dir), with_llm=False)
+
+
+def _prompts(golden_dir):
+    mi = np.load(golden_dir / "model_inputs.npz")
+    t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+    return {k: (t(mi[f"{k}/flow_prompt_speech_token"]), t(mi[f"{k}/prompt_speech_feat"]), t(mi[f"{k}/flow_embedding"]))
+            for k in ("zero_shot", "zero_shot_zh_p16")}, t(np.load(golden_dir / "e2e_nonstream.npz")["token"])[0]
+
+
+# (prompt, prompt start, prompt tokens, target tokens, token multiplier, speed, noise seed or None for zero)
+SPECS = [
+    ("zero_shot", 0, 75, 60, 1, 1.0, 1),
+    ("zero_shot_zh_p16", 0, 74, 52, 7, 1.0, None),
+    ("zero_shot", 10, 30, 33, 11, 1.25, 2),
+    ("zero_shot_zh_p16", 5, 40, 45, 13, 1.0, 3),
+    ("zero_shot", 0, 75, 18, 17, 0.8, None),
+    ("zero_shot_zh_p16", 20, 50, 58, 19, 1.0, 4),
+    ("zero_shot", 0, 75, 60, 23, 1.0, 5),  # shaped like the first: an equal-length HiFT group
+]
+
+
+def _streams(golden_dir):
+    prompts, base = _prompts(golden_dir)
+    out = []
+    for key, start, n, n_tok, mult, speed, seed in SPECS:
+        tok, feat, emb = prompts[key]
+        noise = NSFNoise.zero() if seed is None else NSFNoise.random(torch.Generator().manual_seed(seed))
+        s = Token2WavStream(tok[:, start:start + n], feat[:, 2 * start:2 * (start + n)], emb, stream=False,
+                            speed=speed, noise=noise)
+        tokens = [(int(t) * mult + 3 * mult) % 6561 for t in base[:n_tok]]
+        out.append((s, tokens))
+    return out
+
+
+def _alone(models, golden_dir):
+    records = []
+    runner = Token2WavRunner(models.flow, models.hift, recorder=records.append)
+    audio = [torch.cat(runner.render(s, toks)) for s, toks in _streams(golden_dir)]
+    assert runner.stats.flow_items == runner.stats.flow_calls == len(SPECS)  # really one at a time
+    return audio, [r.flow_mel for r in records]
+
+
+@pytest.fixture(scope="module")
+def alone(models, golden_dir):
+    return _alone(models, golden_dir)
+
+
+def _compare(alone, audio, mels):
+    ref_audio, ref_mels = alone
+    mel_err = [(a - b).abs().max().item() for a, b in zip(ref_mels, mels)]
+    audio_err = []
+    for ref, got in zip(ref_audio, audio):
+        assert ref.shape == got.shape
+        audio_err.append((ref - got).abs().max().item())
+    print("max |batched - alone| flow mel", " ".join(f"{e:.1e}" for e in mel_err),
+          "| audio", " ".join(f"{e:.1e}" for e in audio_err))
+    assert max(mel_err) <= MEL_ATOL
+    assert max(audio_err) <= AUDIO_ATOL
+
+
+def test_padded_groups_respect_the_limits():
+    lengths = [int(x) for x in np.random.default_rng(0).integers(1, 400, 60)]
+    limits = OfflineLimits(max_batch=8, max_frames=1500, length_ratio=1.5)
+    groups = padded_groups(lengths, limits)
+    assert sorted(i for g in groups for i in g) == list(range(60))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert lengths[g[0]] == longest and len(g) <= 8
+        assert len(g) == 1 or len(g) * longest <= 1500
+        assert longest <= 1.5 * min(lengths[i] for i in g)
+    assert padded_groups([5000, 10], OfflineLimits(max_frames=100)) == [[0], [1]]  # too long: alone
+    with pytest.raises(ValueError):
+        OfflineLimits(length_ratio=0.5)
+
+
+def test_offline_batch_equals_one_at_a_time(models, golden_dir, alone):
+    """Through the real asyncio collector of a Token2WavBatcher: the utterances, submitted together,
+    run as one padded flow call and one padded HiFT call (render_offline) as soon as the batch is
+    full; a cancelled caller's job never runs; every result equals the one-at-a-time render."""
+    records = []
+    runner = Token2WavRunner(models.flow, models.hift, recorder=records.append, length_bucket_ratio=4.0)
+    batcher = Token2WavBatcher(runner, max_batch=8, offline=OfflineLimits(max_batch=8, max_frames=10 ** 6,
+                                                                          length_ratio=4.0), offline_wait_s=3600.0)
+    streams = _streams(golden_dir)
+    extra = _streams(golden_dir)[0][0]  # its caller goes away before the batch is taken
+    extra.append(_streams(golden_dir)[0][1])
+
+    async def main():
+        try:
+            cancelled = asyncio.ensure_future(batcher.submit(extra.next_job(True), 0.0))
+            await asyncio.sleep(0)
+            cancelled.cancel()
+            tasks = []
+            for s, toks in streams:
+                s.append(toks)
+                tasks.append(asyncio.ensure_future(batcher.submit(s.next_job(True), 0.0)))
+            # seven pending < max_batch 8 and the wait is an hour: the batch is taken when it is
+            # full, so one more (a copy of the first spec) starts it at once
+            last, toks = _streams(golden_dir)[0]
+            last.append(toks)
+            return await asyncio.wait_for(asyncio.gather(*tasks, batcher.submit(last.next_job(True), 0.0)), 600)
+        finally:
+            await batcher.close()
+
+    out = asyncio.run(main())
+    st = batcher.offline.stats
+    print(st.to_json())
+    assert st.jobs == len(SPECS) + 1 and st.flow_batches == {len(SPECS) + 1: 1}  # one padded flow call
+    assert st.hift_batches == {len(SPECS) + 1: 1} and st.flow_padded_frames > st.flow_frames  # padded HiFT
+    assert batcher.stage_stats.calls == 1 and batcher.stage_stats.items == len(SPECS) + 1
+    assert not extra.finished  # dropped
+    _compare(alone, out[:-1], [r.flow_mel for r in records[:-1]])
+    assert (out[-1] - alone[0][0]).abs().max() <= AUDIO_ATOL
