@@ -145,3 +145,26 @@ def test_offline_batch_equals_one_at_a_time(models, golden_dir, alone):
     assert not extra.finished  # dropped
     _compare(alone, out[:-1], [r.flow_mel for r in records[:-1]])
     assert (out[-1] - alone[0][0]).abs().max() <= AUDIO_ATOL
+
+
+def test_offline_bench_smoke_on_cpu(tiny_dir, tmp_path):
+    """benchmarks/offline_bench.py end to end on the fixture: both paths run, the offline path in
+    padded batches, and the JSON and table are written."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_bench.py"
+    spec = importlib.util.spec_from_file_location("offline_bench", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--model-dir", str(tiny_dir), "--requests", "4", "--concurrency", "4", "--tokens", "20",
+                        "--stream-requests", "2", "--stream-concurrency", "2", "--prompt-seconds", "2",
+                        "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "offline_results.json").read_text())
+    offline, streaming = r["phases"]
+    assert offline["path"] == "offline" and streaming["path"] == "streaming"
+    assert offline["audio_s"] == pytest.approx(4 * 20 * 0.04) and streaming["audio_s"] == pytest.approx(2 * 20 * 0.04)
+    assert offline["offline"]["jobs"] == 4 and offline["x_real_time"] > 0
+    assert offline["stages"]["llm_step"]["busy_s"] > 0 and offline["offline"]["flow_s"] > 0
+    assert "| offline |" in (tmp_path / "offline_table.txt").read_text()
