@@ -370,7 +370,8 @@ class Token2WavRunner:
     next chunk, its source tail seeds the next source). Measured on the fixture: right-padding a
     120-frame mel by 1–40 frames changes the last 8–11 frames of audio by up to 2.5e-2 (and the
     source by 0.15). In steady streaming every chunk has 2·max_hop + 8 frames, so equal-length
-    groups are the common case.
+    groups are the common case.  Whole non-streaming utterances are rendered by the offline path
+    instead (token2wav_offline.py), whose padded HiFT masks every convolution and so is exact.
 
     `flow` may be any FlowLike (tests use stand-ins); only a real `Flow` is batched and cached,
     others run one job at a time through `flow.inference`. `estimator` (see
