@@ -168,3 +168,45 @@ def test_offline_bench_smoke_on_cpu(tiny_dir, tmp_path):
     assert offline["offline"]["jobs"] == 4 and offline["x_real_time"] > 0
     assert offline["stages"]["llm_step"]["busy_s"] > 0 and offline["offline"]["flow_s"] > 0
     assert "| offline |" in (tmp_path / "offline_table.txt").read_text()
+
+
+def test_concurrent_nonstreaming_requests_share_an_offline_batch(tiny_dir, golden_dir, tmp_path):
+    """Synthesizer.synthesize(stream=False), the path of gRPC Synthesize and the OpenAI endpoint: several
+    requests in flight end up in one padded offline batch, and each one's audio equals the same
+    request run alone (greedy forced-length requests, so the tokens are the same either way)."""
+    from async_cosyvoice.config import Config
+    from async_cosyvoice.frontend.audio import load_audio
+    from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
+    from async_cosyvoice.tts import Synthesizer
+
+    prompt = load_audio(golden_dir / "prompt_24k.wav")
+    config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path)}})
+
+    def request(i: int, n_tokens: int) -> SynthesisRequest:
+        return SynthesisRequest(Mode.CROSS_LINGUAL, text=f"Sentence number {i} is here.", prompt_audio=prompt,
+                                options=SynthesisOptions(stream=False, seed=i, top_k=1, max_tokens=n_tokens),
+                                request_id=f"r{i}")
+
+    async def one(synth, req):
+        chunks = [c async for c in synth.synthesize(req)]
+        assert len(chunks) == 1 and chunks[0].is_final
+        return chunks[0].segment_tokens, chunks[0].samples
+
+    async def main():
+        synth = await Synthesizer.create(config, warmup=False)
+        try:
+            specs = [(1, 30), (2, 36), (3, 42), (4, 36)]
+            alone = [await one(synth, request(i, n)) for i, n in specs]
+            before = dict(synth.batcher.offline.stats.flow_batches)
+            together = await asyncio.gather(*(one(synth, request(i, n)) for i, n in specs))
+            return alone, together, before, dict(synth.batcher.offline.stats.flow_batches)
+        finally:
+            await synth.close()
+
+    alone, together, before, after = asyncio.run(main())
+    assert before == {1: 4}  # one at a time: batches of one
+    print("offline flow batches of the concurrent run", {k: v - before.get(k, 0) for k, v in after.items()})
+    assert max(k for k, v in after.items() if v > before.get(k, 0)) >= 2  # some of them shared a batch
+    for (tok_a, audio_a), (tok_b, audio_b) in zip(alone, together):
+        assert tok_a == tok_b and audio_a.shape == audio_b.shape == (960 * len(tok_a),)
+        assert np.abs(audio_a - audio_b).max() <= AUDIO_ATOL
