@@ -15,7 +15,8 @@ device time went (LLM engine steps; offline: flow and HiFT seconds of the offlin
 streaming: token2wav batches), the batch sizes used, and the peak GPU memory. Every request
 speaks a registered speaker's prompt (--prompt-seconds, 6 s = 150 tokens) with --tokens forced
 speech tokens (250 = 10 s). JSON goes to --out (default runs/offline/offline_results.json) and a
-table to stdout. A phase stops sending new requests after --max-phase-seconds.
+table to stdout. A phase stops sending new requests after --max-phase-seconds. `--no-offline` is the baseline:
+the non-streaming requests then run through the streaming token2wav batcher (one job each).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def parse_args(argv=None):
     ap.add_argument("--estimator", choices=["torch", "compiled", "onnxruntime", "tensorrt"], default="torch")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=128, help="offline requests in flight (the LM batch)")
-    ap.add_argument("--stream-requests", type=int, help="streaming path requests (default: --requests)")
+    ap.add_argument("--stream-requests", type=int, default=128, help="streaming path requests")
     ap.add_argument("--stream-concurrency", type=int, default=32,
                     help="streams in flight (the flow cache holds ~1.1 GB per 10 s fp16 stream)")
     ap.add_argument("--tokens", type=int, default=250)
@@ -55,7 +56,9 @@ def parse_args(argv=None):
     ap.add_argument("--offline-max-batch", type=int, default=64)
     ap.add_argument("--offline-max-frames", type=int, default=65536)
     ap.add_argument("--offline-wait-ms", type=float, default=10.0)
-    ap.add_argument("--max-phase-seconds", type=float, default=90.0)
+    ap.add_argument("--no-offline", action="store_true",
+                    help="baseline: non-streaming requests through the streaming token2wav batcher (token2wav.offline off)")
+    ap.add_argument("--max-phase-seconds", type=float, default=60.0)
     ap.add_argument("--skip", default="", help="comma list: offline,stream")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/offline"))
@@ -73,7 +76,7 @@ def make_config(args, model_dir: Path, speakers_dir: Path) -> Config:
                   "llm_dtype": args.llm_dtype or ("bfloat16" if cuda else "float32")},
         "engine": {"kind": "native", "max_num_seqs": max(args.concurrency, args.stream_concurrency),
                    "max_model_len": 1024 if args.tokens <= 600 else 4096, "cuda_graphs": cuda},
-        "token2wav": {"estimator": args.estimator, "max_batch": 64, "offline": True,
+        "token2wav": {"estimator": args.estimator, "max_batch": 64, "offline": not args.no_offline,
                       "offline_max_batch": args.offline_max_batch, "offline_max_frames": args.offline_max_frames,
                       "offline_wait_ms": args.offline_wait_ms},
         "speakers": {"dir": str(speakers_dir)},
@@ -102,7 +105,6 @@ async def run_phase(name: str, synth, target, workload, concurrency: int, reques
     stages = bench.SynthesizerStages(synth)
     offline = synth.batcher.offline
     off_before = offline.stats.to_json() if offline is not None else None
-    max_seen_before = synth.batcher.stats.max_batch_seen
     _peak_reset(args.device)
     log(f"{name}: {requests} requests x {workload.tokens} tokens, {concurrency} in flight")
     level = await bench.run_level(target, workload, concurrency, requests, stages=stages, detail=False,
@@ -112,8 +114,6 @@ async def run_phase(name: str, synth, target, workload, concurrency: int, reques
            "rtf": level["rtf"], "stages": level.get("stages"), "peak_gpu_gib": _peak_gib(args.device)}
     if offline is not None and name == "offline":
         out["offline"] = _offline_delta(off_before, offline.stats.to_json())
-    if name == "streaming":
-        out["t2w_max_batch_seen"] = synth.batcher.stats.max_batch_seen if max_seen_before == 0 else None
     return out
 
 
@@ -135,18 +135,19 @@ async def measure(args, config: Config, results: dict) -> None:
         await bench.run_level(target, warm, min(args.concurrency, args.requests), min(args.concurrency, args.requests),
                               detail=False, label="warm-up (offline)")
         if "stream" not in skip:
-            n = min(args.stream_concurrency, args.stream_requests or args.requests)
+            n = min(args.stream_concurrency, args.stream_requests)
             await bench.run_level(target, dataclasses.replace(warm, stream=True), n, n, detail=False,
                                   label="warm-up (streaming)")
         results["warmup_s"] = time.monotonic() - t
         results["phases"] = []
         if "offline" not in skip:
-            results["phases"].append(await run_phase("offline", synth, target, workload, args.concurrency,
+            name = "nonstream-batcher" if args.no_offline else "offline"
+            results["phases"].append(await run_phase(name, synth, target, workload, args.concurrency,
                                                      args.requests, args))
         if "stream" not in skip:
             results["phases"].append(await run_phase(
                 "streaming", synth, target, dataclasses.replace(workload, stream=True), args.stream_concurrency,
-                args.stream_requests or args.requests, args))
+                args.stream_requests, args))
     finally:
         await synth.close()
 
