@@ -210,3 +210,31 @@ def test_concurrent_nonstreaming_requests_share_an_offline_batch(tiny_dir, golde
     for (tok_a, audio_a), (tok_b, audio_b) in zip(alone, together):
         assert tok_a == tok_b and audio_a.shape == audio_b.shape == (960 * len(tok_a),)
         assert np.abs(audio_a - audio_b).max() <= AUDIO_ATOL
+
+
+def test_padded_hift_equals_each_item_alone_where_plain_padding_does_not(hift, golden_dir):
+    """HiFT.inference_padded on items of 80, 37, 9 and 2 frames (the golden mel, scaled per item, seeded
+    NSF noise per item) equals each item's own call; the plain batched call on the same zero-padded
+    batch does not (HiFT is not causal: the padding reaches the end of every shorter item)."""
+    g = np.load(golden_dir / "hift.npz")
+    mel = torch.cat([torch.from_numpy(g["mel1"]), torch.from_numpy(g["mel2"])], dim=2)
+    lengths = [mel.shape[2], 37, 9, 2]
+    batch = torch.zeros(len(lengths), 80, max(lengths))
+    for b, n in enumerate(lengths):
+        batch[b, :, :n] = mel[0, :, :n] * (1 + 0.1 * b)
+
+    def noises():
+        return [NSFNoise.random(torch.Generator().manual_seed(b)) for b in range(len(lengths))]
+
+    speech, sources = hift.inference_padded(batch, lengths, noises())
+    plain, _ = hift.inference(batch, None, NSFNoise.zero())
+    plain_zero, _ = hift.inference_padded(batch, lengths, [NSFNoise.zero()] * len(lengths))
+    for b, (n, noise) in enumerate(zip(lengths, noises())):
+        ref, ref_source = hift.inference(batch[b:b + 1, :, :n], None, noise)
+        assert (speech[b, :480 * n] - ref[0]).abs().max() <= 1e-5
+        assert (sources[b] - ref_source).abs().max() <= 1e-3  # the NSF phase: ~1e4 rad in float32
+        assert not speech[b, 480 * n:].any()
+        if n < max(lengths):
+            zero_ref, _ = hift.inference(batch[b:b + 1, :, :n], None, NSFNoise.zero())
+            assert (plain_zero[b, :480 * n] - zero_ref[0]).abs().max() <= 1e-5
+            assert (plain[b, :480 * n] - zero_ref[0]).abs().max() > 1e-3  # what the masks are for
