@@ -45,7 +45,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="flow dtype (HiFT stays float32)")
     ap.add_argument("--llm-dtype", help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--estimator", choices=["torch", "compiled", "onnxruntime", "tensorrt"], default="torch")
+    ap.add_argument("--estimator", choices=["torch", "compiled", "onnxruntime", "tensorrt"], default="torch",
+                    help="flow estimator (compiled: CUDA graphs, captured on first use of each shape: slower start)")
+    ap.add_argument("--flow-cache", choices=["on", "off"],
+                    help="the streaming path's flow state cache (default: off on cuda, as configs/gpu.yaml; on on cpu)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=128, help="offline requests in flight (the LM batch)")
     ap.add_argument("--stream-requests", type=int, default=128, help="streaming path requests")
@@ -77,6 +80,7 @@ def make_config(args, model_dir: Path, speakers_dir: Path) -> Config:
         "engine": {"kind": "native", "max_num_seqs": max(args.concurrency, args.stream_concurrency),
                    "max_model_len": 1024 if args.tokens <= 600 else 4096, "cuda_graphs": cuda},
         "token2wav": {"estimator": args.estimator, "max_batch": 64, "offline": not args.no_offline,
+                      "flow_cache": args.flow_cache == "on" if args.flow_cache else not cuda,
                       "offline_max_batch": args.offline_max_batch, "offline_max_frames": args.offline_max_frames,
                       "offline_wait_ms": args.offline_wait_ms},
         "speakers": {"dir": str(speakers_dir)},
