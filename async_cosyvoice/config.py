@@ -82,6 +82,7 @@ class Token2WavConfig(_Section):
     offline_max_batch: int = Field(64, ge=1)  # utterances per flow / HiFT call
     offline_max_frames: int = Field(65536, ge=1)  # padded mel frames per call (items x longest prompt + target)
     offline_wait_ms: float = Field(10.0, ge=0)  # the oldest waits this long for others before a batch is taken
+    offline_segments_ahead: int = Field(8, ge=1)  # a non-streaming request's text segments running at once
 
 
 class SpeakerConfig(_Section):

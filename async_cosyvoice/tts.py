@@ -44,6 +44,7 @@ from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
 from .models.dims import RASParams
 from .models.hift import NSFNoise
+from .offline import segments_at_once
 from .request import (
     FLUSH,
     Audio,
@@ -240,6 +241,13 @@ class Synthesizer:
         request = self.rules.check(request)
         inputs = await self.model_inputs(request, voice or await self.prepare_voice(request))
         playback = Playback(time.monotonic(), self.sample_rate)
+        t2w = self.config.token2wav
+        if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
+            def make(i: int, own: Playback) -> Utterance:
+                return self._utterance(request, inputs[i], i, own, last=i == len(inputs) - 1)
+            async for chunk in segments_at_once(make, len(inputs), playback, t2w.offline_segments_ahead):
+                yield chunk
+            return
         for i, model_input in enumerate(inputs):
             utterance = self._utterance(request, model_input, i, playback, last=i == len(inputs) - 1)
             async for chunk in utterance.run():

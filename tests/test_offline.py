@@ -9,6 +9,7 @@ the flow mel within MEL_ATOL, the audio within AUDIO_ATOL.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -238,3 +239,46 @@ def test_padded_hift_equals_each_item_alone_where_plain_padding_does_not(hift, g
             zero_ref, _ = hift.inference(batch[b:b + 1, :, :n], None, NSFNoise.zero())
             assert (plain_zero[b, :480 * n] - zero_ref[0]).abs().max() <= 1e-5
             assert (plain[b, :480 * n] - zero_ref[0]).abs().max() > 1e-3  # what the masks are for
+
+
+def test_a_nonstreaming_requests_segments_run_at_once(tiny_dir, golden_dir, tmp_path):
+    """A non-streaming request of several text segments: all of them at once (their LM requests in
+    one engine batch, their token2wav jobs in shared offline batches), the chunks in segment order
+    and numbered as the sequential dispatch (offline_segments_ahead 1) numbers them, with the same
+    tokens and audio (greedy, forced length). Closing the request after its first chunk cancels
+    the other segments: no LM request and no token2wav job is left behind."""
+    from async_cosyvoice.config import Config
+    from async_cosyvoice.frontend.audio import load_audio
+    from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
+    from async_cosyvoice.tts import Synthesizer
+
+    prompt = load_audio(golden_dir / "prompt_24k.wav")
+    text = " ".join(["This sentence is long enough to count as a whole segment of the paragraph."] * 3)
+    request = SynthesisRequest(Mode.CROSS_LINGUAL, text=text, prompt_audio=prompt, request_id="multi",
+                               options=SynthesisOptions(stream=False, seed=5, top_k=1, max_tokens=20))
+
+    async def run(ahead: int):
+        config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path)},
+                                        "token2wav": {"offline_segments_ahead": ahead}})
+        synth = await Synthesizer.create(config, warmup=False)
+        try:
+            chunks = [c async for c in synth.synthesize(request)]
+            batches = dict(synth.batcher.offline.stats.flow_batches)
+            if ahead > 1:  # leave after the first chunk
+                gen = synth.synthesize(dataclasses.replace(request, request_id="left"))
+                await anext(gen)
+                await gen.aclose()
+                assert synth.engine_stats().running == 0 and synth.batcher.offline.pending == 0
+            return chunks, batches
+        finally:
+            await synth.close()
+
+    sequential, seq_batches = asyncio.run(run(1))
+    together, batches = asyncio.run(run(8))
+    assert len(sequential) == len(together) > 1 and seq_batches == {1: len(sequential)}
+    assert max(batches) >= 2  # segments of the request shared an offline batch
+    fields = ("index", "sample_offset", "is_final", "segment_index", "n_tokens", "segment_tokens")
+    for a, b in zip(sequential, together):
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+        assert np.abs(a.samples - b.samples).max() <= AUDIO_ATOL
+    assert together[-1].is_final and together[-1].n_tokens == 20 * len(together)
