@@ -14,7 +14,7 @@ Per path it reports the aggregate audio seconds per wall second (x real time) an
 device time went (LLM engine steps; offline: flow and HiFT seconds of the offline renderer;
 streaming: token2wav batches), the batch sizes used, and the peak GPU memory. Every request
 speaks a registered speaker's prompt (--prompt-seconds, 6 s = 150 tokens) with --tokens forced
-speech tokens (250 = 10 s). JSON goes to --out (default runs/offline/offline_results.json) and a
+speech tokens (250 = 10 s; `--spread 0.5`: 125-375 tokens, varying per request, as real texts do). JSON goes to --out (default runs/offline/offline_results.json) and a
 table to stdout. A phase stops sending new requests after --max-phase-seconds. `--no-offline` is the baseline:
 the non-streaming requests then run through the streaming token2wav batcher (one job each).
 """
@@ -55,6 +55,8 @@ def parse_args(argv=None):
     ap.add_argument("--stream-concurrency", type=int, default=32,
                     help="streams in flight (the flow cache holds ~1.1 GB per 10 s fp16 stream)")
     ap.add_argument("--tokens", type=int, default=250)
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="forced lengths vary per request within tokens x [1 - spread, 1 + spread] (0: all equal)")
     ap.add_argument("--prompt-seconds", type=float, default=6.0)
     ap.add_argument("--offline-max-batch", type=int, default=64)
     ap.add_argument("--offline-max-frames", type=int, default=65536)
@@ -70,6 +72,29 @@ def parse_args(argv=None):
 
 def log(msg: str) -> None:
     print(f"[offline-bench] {msg}", file=sys.stderr, flush=True)
+
+
+class SpreadTarget:
+    """In-process requests whose forced token count varies with the request's seed (deterministic):
+    tokens x (1 - spread + 2 spread u), u spread evenly over [0, 1)."""
+    name = "in-process"
+
+    def __init__(self, synth, spread: float):
+        if not 0 <= spread < 1:
+            raise ValueError(f"--spread must be in [0, 1), got {spread}")
+        self.inner = bench.InProcessTarget(synth)
+        self.spread = spread
+
+    async def stream(self, workload, seed: int):
+        tokens = spread_tokens(workload.tokens, self.spread, seed)
+        async for seconds in self.inner.stream(dataclasses.replace(workload, tokens=tokens), seed):
+            yield seconds
+
+
+def spread_tokens(base: int, spread: float, seed: int) -> int:
+    """The forced token count of the request with this seed."""
+    u = (seed * 0.6180339887) % 1.0
+    return max(1, round(base * (1 - spread + 2 * spread * u)))
 
 
 def make_config(args, model_dir: Path, speakers_dir: Path) -> Config:
@@ -131,7 +156,7 @@ async def measure(args, config: Config, results: dict) -> None:
     try:
         speaker = bench.SpeakerSpec(prompt_seconds=args.prompt_seconds, seed=args.seed)
         results["prompt_tokens"] = await bench.register_in_process(synth, speaker)
-        target = bench.InProcessTarget(synth)
+        target = SpreadTarget(synth, args.spread)
         workload = bench.Workload(tokens=args.tokens, seed=args.seed, speaker_id=speaker.speaker_id, stream=False)
         skip = {s for s in args.skip.split(",") if s}
         warm = dataclasses.replace(workload, tokens=min(args.tokens, 60))
@@ -157,8 +182,9 @@ async def measure(args, config: Config, results: dict) -> None:
 
 
 def format_table(results: dict) -> str:
+    spread = f" x [{1 - results['spread']:g}, {1 + results['spread']:g}]" if results.get("spread") else ""
     lines = [f"{results['device']}, flow {results['dtype']}, prompt {results.get('prompt_tokens')} tokens, "
-             f"{results['tokens']} tokens ({results['tokens'] * 0.04:g} s) per request",
+             f"{results['tokens']}{spread} tokens ({results['tokens'] * 0.04:g} s) per request",
              "| path | requests | in flight | audio s | wall s | x real time | RTF | LLM busy s | flow s | HiFT s | "
              "t2w busy s | batch sizes (flow; HiFT) | peak GPU GiB | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -197,7 +223,7 @@ def main(argv=None) -> int:
         config = make_config(args, model_dir, Path(spk))
         results = {"script": "benchmarks/offline_bench.py", "argv": sys.argv[1:] if argv is None else list(argv),
                    "device": bench.environment(args.device).get("gpu", args.device), "dtype": args.dtype,
-                   "tokens": args.tokens, "config": config.model_dump(mode="json")}
+                   "tokens": args.tokens, "spread": args.spread, "config": config.model_dump(mode="json")}
         asyncio.run(measure(args, config, results))
     results["total_s"] = time.monotonic() - t_all
     args.out.mkdir(parents=True, exist_ok=True)

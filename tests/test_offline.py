@@ -160,12 +160,15 @@ def test_offline_bench_smoke_on_cpu(tiny_dir, tmp_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.main(["--model-dir", str(tiny_dir), "--requests", "4", "--concurrency", "4", "--tokens", "20",
-                        "--stream-requests", "2", "--stream-concurrency", "2", "--prompt-seconds", "2",
-                        "--out", str(tmp_path)]) == 0
+                        "--spread", "0.25", "--stream-requests", "2", "--stream-concurrency", "2",
+                        "--prompt-seconds", "2", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "offline_results.json").read_text())
     offline, streaming = r["phases"]
     assert offline["path"] == "offline" and streaming["path"] == "streaming"
-    assert offline["audio_s"] == pytest.approx(4 * 20 * 0.04) and streaming["audio_s"] == pytest.approx(2 * 20 * 0.04)
+    lengths = [script.spread_tokens(20, 0.25, seed) for seed in range(4)]
+    assert len(set(lengths)) > 1  # the requests have different lengths
+    assert offline["audio_s"] == pytest.approx(sum(lengths) * 0.04)
+    assert streaming["audio_s"] == pytest.approx(sum(lengths[:2]) * 0.04)
     assert offline["offline"]["jobs"] == 4 and offline["x_real_time"] > 0
     assert offline["stages"]["llm_step"]["busy_s"] > 0 and offline["offline"]["flow_s"] > 0
     assert "| offline |" in (tmp_path / "offline_table.txt").read_text()
