@@ -27,6 +27,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -224,17 +225,23 @@ def main(argv=None) -> int:
         results = {"script": "benchmarks/offline_bench.py", "argv": sys.argv[1:] if argv is None else list(argv),
                    "device": bench.environment(args.device).get("gpu", args.device), "dtype": args.dtype,
                    "tokens": args.tokens, "spread": args.spread, "config": config.model_dump(mode="json")}
-        asyncio.run(measure(args, config, results))
+        try:
+            asyncio.run(measure(args, config, results))
+        except Exception as e:  # still write (and print) what was measured
+            results["error"] = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            log(f"failed: {type(e).__name__}: {e}")
     results["total_s"] = time.monotonic() - t_all
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "offline_results.json"
     path.write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
     table = format_table(results)
     print(table)
-    print(f"\ntotal {results['total_s']:.1f} s (model load {results['load_s']:.1f} s, warm-up "
-          f"{results['warmup_s']:.1f} s); JSON: {path}")
+    print(f"\ntotal {results['total_s']:.1f} s (model load {results.get('load_s', 0):.1f} s, warm-up "
+          f"{results.get('warmup_s', 0):.1f} s); JSON: {path}")
+    if results.get("error"):
+        print("FAILED:\n" + results["error"])
     (args.out / "offline_table.txt").write_text(table + "\n", encoding="utf-8")
-    return 1 if any(p["errors"] for p in results.get("phases", [])) else 0
+    return 1 if results.get("error") or any(p["errors"] for p in results.get("phases", [])) else 0
 
 
 if __name__ == "__main__":
