@@ -245,8 +245,10 @@ class Synthesizer:
         if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
             def make(i: int, own: Playback) -> Utterance:
                 return self._utterance(request, inputs[i], i, own, last=i == len(inputs) - 1)
-            async for chunk in segments_at_once(make, len(inputs), playback, t2w.offline_segments_ahead):
-                yield chunk
+            async with contextlib.aclosing(segments_at_once(make, len(inputs), playback,
+                                                            t2w.offline_segments_ahead)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             return
         for i, model_input in enumerate(inputs):
             utterance = self._utterance(request, model_input, i, playback, last=i == len(inputs) - 1)

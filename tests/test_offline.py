@@ -248,8 +248,8 @@ def test_a_nonstreaming_requests_segments_run_at_once(tiny_dir, golden_dir, tmp_
     """A non-streaming request of several text segments: all of them at once (their LM requests in
     one engine batch, their token2wav jobs in shared offline batches), the chunks in segment order
     and numbered as the sequential dispatch (offline_segments_ahead 1) numbers them, with the same
-    tokens and audio (greedy, forced length). Closing the request after its first chunk cancels
-    the other segments: no LM request and no token2wav job is left behind."""
+    tokens and audio (greedy, forced length). Cancelling a request while its segments' LM requests
+    run aborts all of them and renders nothing."""
     from async_cosyvoice.config import Config
     from async_cosyvoice.frontend.audio import load_audio
     from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
@@ -267,11 +267,20 @@ def test_a_nonstreaming_requests_segments_run_at_once(tiny_dir, golden_dir, tmp_
         try:
             chunks = [c async for c in synth.synthesize(request)]
             batches = dict(synth.batcher.offline.stats.flow_batches)
-            if ahead > 1:  # leave after the first chunk
-                gen = synth.synthesize(dataclasses.replace(request, request_id="left"))
-                await anext(gen)
-                await gen.aclose()
+            if ahead > 1:  # a long request whose client goes away while its segments' LM requests run
+                long = dataclasses.replace(request, request_id="left",
+                                           options=dataclasses.replace(request.options, max_tokens=1500))
+                jobs = synth.batcher.offline.stats.jobs
+                consumer = asyncio.ensure_future(anext(synth.synthesize(long)))
+                for _ in range(200):  # until the voice is encoded and the LM requests run (test-side wait)
+                    if synth.engine_stats().running == len(chunks):
+                        break
+                    await asyncio.sleep(0.05)
+                assert synth.engine_stats().running == len(chunks)  # every segment's LM at once
+                consumer.cancel()
+                await asyncio.gather(consumer, return_exceptions=True)
                 assert synth.engine_stats().running == 0 and synth.batcher.offline.pending == 0
+                assert synth.batcher.offline.stats.jobs == jobs
             return chunks, batches
         finally:
             await synth.close()
