@@ -416,6 +416,13 @@ class Token2WavRunner:
     def device(self) -> torch.device:
         return next(self.hift.parameters()).device
 
+    def cuda_stream(self):
+        """Context for token2wav's device work (in the device thread): on CUDA, our own stream
+        (created on first use), so syncs wait for token2wav's kernels only, not the LM's."""
+        if self.device.type == "cuda" and self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._cuda_stream)
+
     @torch.inference_mode()
     def flow_mel(self, job: Token2WavJob) -> Tensor:
         """One job's flow mel (1, 80, T) for its target tokens (prompt excluded)."""
@@ -580,10 +587,7 @@ class Token2WavRunner:
             raise ValueError("run_many takes at most one job per stream (a stream's chunks are sequential)")
         for job in jobs:
             job.stream._check(job)
-        if self.device.type == "cuda" and self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream(self.device)
-        # our own CUDA stream: syncs here wait for token2wav's kernels only, not the LM's
-        with torch.cuda.stream(self._cuda_stream):
+        with self.cuda_stream():
             return self._run_many(jobs)
 
     def _run_many(self, jobs: Sequence[Token2WavJob]) -> list[Tensor]:

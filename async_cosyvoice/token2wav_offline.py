@@ -107,9 +107,7 @@ def render_offline(runner: Token2WavRunner, jobs: Sequence[Token2WavJob], limits
     if not jobs:
         return []
     device, ratio = runner.device, jobs[0].stream.schedule.token_mel_ratio
-    if device.type == "cuda" and runner._cuda_stream is None:
-        runner._cuda_stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(runner._cuda_stream):
+    with runner.cuda_stream():
         t = time.perf_counter()
         flow_mels: list[Tensor | None] = [None] * len(jobs)
         lengths = [j.stream.prompt_token.shape[1] + j.n_tokens for j in jobs]
