@@ -15,8 +15,10 @@ Data list: one JSON object per line (the seed-tts format),
   work starts, and an error names the file and line.
 
 How it runs: `--concurrency` requests (default: the engine's `max_num_seqs`) are in flight at
-once, non-streaming, so the LLM engine decodes them as one continuously refilled batch and the
-token2wav batcher renders the finished ones together. Each entry's seed is `--seed` plus a hash
+once, non-streaming, so the LLM engine decodes them as one continuously refilled batch, and the
+finished ones are rendered by the offline path (docs/offline.md): whole utterances in
+length-sorted, padded flow and HiFT batches, each equal to its own render. `--no-offline` renders
+them through the streaming token2wav batcher instead (one job per utterance, as before). Each entry's seed is `--seed` plus a hash
 of its key, so the audio of an entry does not depend on the order, the sharding or on resuming.
 `--tokens N` forces N speech tokens per text segment (benchmarks with random-weight models).
 
@@ -168,6 +170,7 @@ class BatchStats:
     started: float = 0.0        # time.time() when synthesis started
     finished: float = 0.0
     load_s: float = 0.0
+    offline: dict | None = None  # the offline renderer's counters (token2wav_offline.OfflineStats)
 
     @property
     def finished_entries(self) -> int:
@@ -179,7 +182,7 @@ class BatchStats:
                 "failures": self.failed, "audio_s": self.audio_s, "wall_s": wall, "load_s": self.load_s,
                 "rtf": wall / self.audio_s if self.audio_s > 0 else None,
                 "x_real_time": self.audio_s / wall if wall > 0 else None,
-                "started": self.started, "finished": self.finished}
+                "started": self.started, "finished": self.finished, "offline": self.offline}
 
 
 class ProgressBar:
@@ -306,8 +309,11 @@ async def run_batch(config: "Config", entries: Sequence[Entry], *, concurrency: 
     synth = await Synthesizer.create(config, warmup=True)
     stats.load_s = time.monotonic() - t
     try:
-        return await run_entries(synth, entries, concurrency=concurrency or config.engine.max_num_seqs, seed=seed,
-                                 tokens=tokens, text_frontend=text_frontend, stats=stats, on_update=on_update)
+        stats = await run_entries(synth, entries, concurrency=concurrency or config.engine.max_num_seqs, seed=seed,
+                                  tokens=tokens, text_frontend=text_frontend, stats=stats, on_update=on_update)
+        offline = getattr(synth.batcher, "offline", None)
+        stats.offline = offline.stats.to_json() if offline is not None else None
+        return stats
     finally:
         await synth.close()
 
@@ -331,6 +337,8 @@ def worker_argv(args, device: str, index: int, count: int) -> list[str]:
             argv += [flag, str(value)]
     if args.no_text_frontend:
         argv.append("--no-text-frontend")
+    if getattr(args, "no_offline", False):
+        argv.append("--no-offline")
     return argv
 
 
@@ -405,6 +413,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed; each entry adds a hash of its key")
     p.add_argument("--tokens", type=int, help="force this many speech tokens per text segment (benchmarks)")
     p.add_argument("--no-text-frontend", action="store_true", help="texts are already normalized")
+    p.add_argument("--no-offline", action="store_true",
+                   help="render through the streaming token2wav batcher, not the offline batches")
     p.add_argument("--llm-dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--flow-dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--report", type=Path, help="also write the report as JSON")
@@ -420,9 +430,11 @@ def argparse_suppress():
 
 def _batch_config(config: "Config", args) -> "Config":
     model = {k: v for k, v in (("llm_dtype", args.llm_dtype), ("flow_dtype", args.flow_dtype)) if v}
-    if not model:
-        return config
-    return config.model_copy(update={"model": config.model.model_copy(update=model)})
+    if model:
+        config = config.model_copy(update={"model": config.model.model_copy(update=model)})
+    if getattr(args, "no_offline", False):
+        config = config.model_copy(update={"token2wav": config.token2wav.model_copy(update={"offline": False})})
+    return config
 
 
 def main(args, config_factory: Callable[[object], "Config"]) -> int:

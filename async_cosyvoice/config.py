@@ -77,6 +77,12 @@ class Token2WavConfig(_Section):
     flow_cache_max_tokens: int | None = Field(None, ge=0)  # per stream: no state cached past this many tokens
     # the final chunk also from the cache, with chunked attention: NOT exact (upstream's final uses full attention)
     flow_cache_chunked_final: bool = False
+    # non-streaming utterances: rendered together in length-sorted, padded batches (docs/offline.md)
+    offline: bool = True
+    offline_max_batch: int = Field(64, ge=1)  # utterances per flow / HiFT call
+    offline_max_frames: int = Field(65536, ge=1)  # padded mel frames per call (items x longest prompt + target)
+    offline_wait_ms: float = Field(10.0, ge=0)  # the oldest waits this long for others before a batch is taken
+    offline_segments_ahead: int = Field(8, ge=1)  # a non-streaming request's text segments running at once
 
 
 class SpeakerConfig(_Section):

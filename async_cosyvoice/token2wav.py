@@ -370,7 +370,8 @@ class Token2WavRunner:
     next chunk, its source tail seeds the next source). Measured on the fixture: right-padding a
     120-frame mel by 1–40 frames changes the last 8–11 frames of audio by up to 2.5e-2 (and the
     source by 0.15). In steady streaming every chunk has 2·max_hop + 8 frames, so equal-length
-    groups are the common case.
+    groups are the common case.  Whole non-streaming utterances are rendered by the offline path
+    instead (token2wav_offline.py), whose padded HiFT masks every convolution and so is exact.
 
     `flow` may be any FlowLike (tests use stand-ins); only a real `Flow` is batched and cached,
     others run one job at a time through `flow.inference`. `estimator` (see
@@ -414,6 +415,13 @@ class Token2WavRunner:
     @property
     def device(self) -> torch.device:
         return next(self.hift.parameters()).device
+
+    def cuda_stream(self):
+        """Context for token2wav's device work (in the device thread): on CUDA, our own stream
+        (created on first use), so syncs wait for token2wav's kernels only, not the LM's."""
+        if self.device.type == "cuda" and self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._cuda_stream)
 
     @torch.inference_mode()
     def flow_mel(self, job: Token2WavJob) -> Tensor:
@@ -579,10 +587,7 @@ class Token2WavRunner:
             raise ValueError("run_many takes at most one job per stream (a stream's chunks are sequential)")
         for job in jobs:
             job.stream._check(job)
-        if self.device.type == "cuda" and self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream(self.device)
-        # our own CUDA stream: syncs here wait for token2wav's kernels only, not the LM's
-        with torch.cuda.stream(self._cuda_stream):
+        with self.cuda_stream():
             return self._run_many(jobs)
 
     def _run_many(self, jobs: Sequence[Token2WavJob]) -> list[Tensor]:

@@ -13,6 +13,10 @@ busy, jobs pile up and the next batch is taken from them. Two lanes:
   tokens of each job, what the flow computes): this bounds one batch's device time, so a long
   render is split into batches that new first chunks can run between.
 
+Non-streaming utterances (`is_offline_job`: one job for the whole utterance) go to the device's
+offline collector instead (offline_batcher.py: length-sorted, padded batches of whole utterances)
+when `offline` limits are given; its batches run in the same device thread.
+
 The device work runs in one executor thread, so the event loop never blocks and the model sees
 one caller. The batcher keeps its own counters (`stage_stats`: batches, jobs, busy seconds) and a
 bounded timeline of the batches it ran (`stats.timeline`), which metrics and benchmarks read.
@@ -30,8 +34,10 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from .offline_batcher import OfflineBatcher
 from .stage_stats import StageStats, timed_call
 from .token2wav import Token2WavJob, Token2WavRunner
+from .token2wav_offline import OfflineLimits, is_offline_job
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +89,10 @@ def flow_positions(job: Token2WavJob) -> int:
 
 class Token2WavBatcher:
     def __init__(self, runner: Token2WavRunner, max_batch: int = 32, batching: bool = True,
-                 max_batch_tokens: int | None = None):
+                 max_batch_tokens: int | None = None, offline: OfflineLimits | None = None,
+                 offline_wait_s: float = 0.01):
+        """offline: limits of the offline collector for non-streaming utterances (None: they run
+        here, as one job each); offline_wait_s: how long its oldest job waits for others."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -102,6 +111,8 @@ class Token2WavBatcher:
         self._last_lane = MAIN_LANE
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self.offline = (OfflineBatcher(runner, self.run_on_device, offline, offline_wait_s)
+                        if offline is not None and batching else None)
 
     def stage_stats_list(self) -> list[StageStats]:
         return [self.stage_stats]
@@ -113,6 +124,8 @@ class Token2WavBatcher:
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor:
         """Run `job` (applying it to its stream) and return its samples (1-D float32, CPU).
         Cancelling the caller drops a job that has not started yet."""
+        if self.offline is not None and is_offline_job(job):
+            return await self.offline.submit(job)
         self._ensure_running()
         fut = asyncio.get_running_loop().create_future()
         entry = _Pending(deadline, next(self._seq), job, fut, time.monotonic(), self._started)
@@ -124,6 +137,15 @@ class Token2WavBatcher:
     def pending(self) -> int:
         """Jobs submitted and not yet taken (cancelled ones excluded)."""
         return sum(not p.future.done() for p in itertools.chain(self._first, self._rest))
+
+    async def run_on_device(self, fn, *args, items: int = 1):
+        """fn(*args) in this device's token2wav thread (after the batches queued there), counted in
+        stage_stats as one batch of `items` jobs; returns its result or raises what it raised."""
+        result, seconds, ok = await asyncio.get_running_loop().run_in_executor(self._executor, timed_call, fn, *args)
+        self.stage_stats.record(seconds, items, ok)
+        if not ok:
+            raise result
+        return result
 
     def _ensure_running(self) -> None:
         loop = asyncio.get_running_loop()
@@ -217,6 +239,8 @@ class Token2WavBatcher:
                                        left, jobs))
 
     async def close(self) -> None:
+        if self.offline is not None:
+            await self.offline.close()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -43,6 +43,7 @@ from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
 from .models.dims import RASParams
 from .models.hift import NSFNoise
+from .offline import segments_at_once
 from .request import (
     FLUSH,
     Audio,
@@ -57,6 +58,7 @@ from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
+from .token2wav_offline import OfflineLimits
 from .utterance import Playback, Utterance
 from .warmup import Warmup, compile_in_use, use_compile_cache
 
@@ -73,7 +75,10 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
                              max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final)
-    return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching)
+    offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
+               if t2w.offline else None)
+    return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
+                            offline_wait_s=t2w.offline_wait_ms / 1000)
 
 
 async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float) -> AsyncIterator[str | object]:
@@ -238,6 +243,15 @@ class Synthesizer:
         request = self.rules.check(request)
         inputs = await self.model_inputs(request, voice or await self.prepare_voice(request))
         playback = Playback(time.monotonic(), self.sample_rate)
+        t2w = self.config.token2wav
+        if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
+            def make(i: int, own: Playback) -> Utterance:
+                return self._utterance(request, inputs[i], i, own, last=i == len(inputs) - 1)
+            async with contextlib.aclosing(segments_at_once(make, len(inputs), playback,
+                                                            t2w.offline_segments_ahead)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
         for i, model_input in enumerate(inputs):
             utterance = self._utterance(request, model_input, i, playback, last=i == len(inputs) - 1)
             async for chunk in utterance.run():

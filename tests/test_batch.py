@@ -115,12 +115,13 @@ def test_parent_merges_worker_reports(monkeypatch, tmp_path):
 def test_worker_argv_passes_the_options_through(tmp_path):
     args = Namespace(data_list=tmp_path / "d.jsonl", out_dir=tmp_path / "o", seed=3, config=None, model_dir="m",
                      speakers_dir=None, engine="native", concurrency=16, tokens=None, llm_dtype="bfloat16",
-                     flow_dtype=None, no_text_frontend=True)
+                     flow_dtype=None, no_text_frontend=True, no_offline=True)
     argv = batch.worker_argv(args, "cuda:1", 1, 2)
     assert argv[1:4] == ["-m", "cosyvoice_cli", "batch"]
     s = " ".join(argv)
     assert "--device cuda:1 --shard 1/2 --worker" in s and "--model-dir m" in s and "--concurrency 16" in s
     assert "--llm-dtype bfloat16" in s and "--no-text-frontend" in s and "--tokens" not in s
+    assert "--no-offline" in s
 
 
 # -- a real run (slow) ---------------------------------------------------------------------------
@@ -154,6 +155,7 @@ def test_batch_writes_playable_wavs_and_resumes(tiny_dir, golden_dir, tmp_path, 
     assert not [p for p in out.rglob(".*.tmp")]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["done"] == 3 and report["audio_s"] == pytest.approx(3 * TOKENS * 0.04)
+    assert report["offline"]["jobs"] == 3  # rendered by the offline path (warm-up streams: not offline)
     assert report["rtf"] > 0 and report["x_real_time"] > 0
 
     mtimes = [w.stat().st_mtime_ns for w in wavs]

@@ -14,9 +14,14 @@ The NSF source is numerically fragile (the phase reaches 1e3-1e4 rad in float32)
 keeps upstream's operation order exactly. Its random draws (initial harmonic phases and additive
 noise) are controlled by `NSFNoise`.
 
-Batch items must have the same number of mel frames; a batched item then equals its own call up
-to float summation order (~1e-6). Items zero-padded to a common length would differ from their
-unpadded run near the padded end (convolutions and interpolation see the padding).
+`inference` batches items of the same number of mel frames; a batched item then equals its own
+call up to float summation order (~1e-6). Items of different lengths go through
+`inference_padded` (offline rendering): right-padded, with every convolution's input masked to
+the item's length (so each conv sees the zeros its own padding would give), the NSF source made
+per item (its phase is a cumulative sum and its linear interpolation clamps at the item's end),
+the source's STFT fed the item's own reflection at its end, and the last iSTFT samples (whose
+window envelope would count padded frames) recomputed from the item's last frames. Each item
+then equals its own `inference` call up to float summation order.
 """
 from __future__ import annotations
 
@@ -131,9 +136,12 @@ class ConvRNNF0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, num_class)
 
-    def forward(self, mel: Tensor) -> Tensor:
-        h = self.condnet(mel).transpose(1, 2)
-        return torch.abs(self.classifier(h).squeeze(-1))
+    def forward(self, mel: Tensor, mask: Tensor | None = None) -> Tensor:
+        """mask (B, 1, T): right-padded items; every conv input is zeroed past the item's frames."""
+        h = mel
+        for layer in self.condnet:
+            h = layer(h * mask if mask is not None and isinstance(layer, nn.Conv1d) else h)
+        return torch.abs(self.classifier(h.transpose(1, 2)).squeeze(-1))
 
 
 class SineGen2(nn.Module):
@@ -217,9 +225,13 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """mask (B, 1, L): right-padded items; each conv input is zeroed past the item's samples."""
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = c2(a2(c1(a1(x)))) + x
+            if mask is None:
+                x = c2(a2(c1(a1(x)))) + x
+            else:
+                x = c2(a2(c1(a1(x) * mask)) * mask) + x
         return x
 
 
@@ -305,6 +317,94 @@ class HiFT(nn.Module):
         spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
         speech = torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self.stft_window)
         return torch.clamp(speech, -self.dims.audio_limit, self.dims.audio_limit)
+
+    def decode_padded(self, mel: Tensor, source: Tensor, lengths: Tensor) -> Tensor:
+        """`decode` of right-padded items: mel (B, 80, T) with lengths[b] valid frames, source
+        (B, 1, 480T) valid up to 480·lengths[b] and followed by its STFT reflection (`source_padded`).
+        Returns speech (B, 480T), item b exact up to 480·lengths[b] samples, zero after."""
+        B, _, T = mel.shape
+
+        def mask(n: Tensor, size: int) -> Tensor:
+            return (torch.arange(size, device=mel.device) < n.unsqueeze(1)).unsqueeze(1).to(mel.dtype)
+
+        spec = torch.stft(source.squeeze(1), self.n_fft, self.hop, self.n_fft, window=self.stft_window,
+                          return_complex=True)
+        spec = torch.view_as_real(spec)
+        frames = lengths * (self.upsample_scale // self.hop) + 1  # STFT frames of each item's own call
+        s_stft = torch.cat([spec[..., 0], spec[..., 1]], dim=1) * mask(frames, spec.shape[2])
+
+        n = lengths
+        x = self.conv_pre(mel * mask(n, T))
+        last = len(self.ups) - 1
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, self.dims.lrelu_slope) * mask(n, x.shape[2]))
+            n = n * self.dims.upsample_rates[i]
+            if i == last:
+                x = F.pad(x, (1, 0), mode="reflect")
+                n = n + 1
+            m = mask(n, x.shape[2])
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft) * m, m)
+            xs = self.resblocks[i * self.num_kernels](x, m)
+            for j in range(1, self.num_kernels):
+                xs += self.resblocks[i * self.num_kernels + j](x, m)
+            x = xs / self.num_kernels
+        m = mask(n, x.shape[2])
+        x = self.conv_post(F.leaky_relu(x) * m)
+
+        bins = self.n_fft // 2 + 1
+        mag = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
+        phase = torch.sin(x[:, bins:, :])
+        spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)) * m
+        speech = torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self.stft_window)
+        # The last samples' window envelope counts the (zero) padded frames: recompute them from
+        # each item's last frames alone, where the envelope is its own call's.
+        k = self.n_fft // self.hop + 4
+        idx = (frames - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=mel.device)
+        tail = torch.istft(torch.gather(spec, 2, idx.unsqueeze(1).expand(-1, bins, -1)), self.n_fft, self.hop,
+                           self.n_fft, window=self.stft_window)
+        keep = self.n_fft  # the tail call's last samples are far from its own left edge
+        ends = (frames - 1) * self.hop
+        pos = (ends.unsqueeze(1) - keep + torch.arange(keep, device=mel.device)).clamp(min=0)
+        speech = speech.scatter(1, pos, tail[:, -keep:])
+        speech = speech * mask(ends, speech.shape[1])[:, 0]
+        return torch.clamp(speech, -self.dims.audio_limit, self.dims.audio_limit)
+
+    def source_padded(self, f0: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise],
+                      frames: int) -> Tensor:
+        """Each item's NSF source from its own f0 frames and noise (made per item: the phase is a
+        cumulative sum, and the interpolation clamps at the item's end), right-padded to
+        480·frames, followed by the reflection that its own STFT (center=True) would add."""
+        scale = self.upsample_scale
+        pad = self.n_fft // 2
+        source = f0.new_zeros(len(lengths), 1, scale * frames)
+        for b, (n, nz) in enumerate(zip(lengths, noise)):
+            s = self.source(f0[b:b + 1, :n], nz)[0, 0]
+            source[b, 0, :s.numel()] = s
+            reflect = s[-pad - 1:-1].flip(0)
+            end = min(s.numel() + pad, source.shape[2])
+            source[b, 0, s.numel():end] = reflect[:end - s.numel()]
+        return source
+
+    @torch.no_grad()
+    def inference_padded(self, mel: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise | None]
+                         ) -> tuple[Tensor, list[Tensor]]:
+        """Items of different lengths in one call (no cache_source: whole utterances).
+        mel (B, 80, T) right-padded, lengths[b] valid frames, one NSFNoise (None: torch's default
+        RNG) per item. Returns speech (B, 480T), item b's first 480·lengths[b] samples equal to
+        `inference(mel[b:b+1, :, :lengths[b]], None, noise[b])` up to float summation order (zero
+        after), and each item's source (1, 1, 480·lengths[b])."""
+        B, _, T = mel.shape
+        if len(lengths) != B or len(noise) != B:
+            raise ValueError(f"got {len(lengths)} lengths and {len(noise)} noises for a batch of {B}")
+        if min(lengths) < 2 or max(lengths) > T:
+            raise ValueError(f"item lengths must be within [2, {T}] frames, got {list(lengths)}")
+        n = torch.tensor(list(lengths), device=mel.device)
+        mask = (torch.arange(T, device=mel.device) < n.unsqueeze(1)).unsqueeze(1).to(mel.dtype)
+        f0 = self.f0_predictor(mel * mask, mask)
+        source = self.source_padded(f0, lengths, [NSFNoise() if z is None else z for z in noise], T)
+        speech = self.decode_padded(mel, source, n)
+        scale = self.upsample_scale
+        return speech, [source[b:b + 1, :, :scale * L] for b, L in enumerate(lengths)]
 
     # -- entry point
 

@@ -31,6 +31,7 @@ from ..models.dims import EOS_TOKEN
 from ..models.hift import NSFNoise
 from ..sampling import nucleus, ras_sample
 from ..token2wav import ChunkRecord, ChunkSchedule, Token2WavRunner, Token2WavStream
+from ..token2wav_offline import render_offline
 from ..request import Mode, Voice
 
 PROMPT_WAVS = {"p24": "prompt_24k.wav", "p16": "prompt_16k.wav"}
@@ -246,7 +247,18 @@ def e2e(ctx: Context, name: str) -> dict[str, np.ndarray]:
     stream = Token2WavStream(ctx.t(g["prompt_token"]), ctx.t(g["prompt_feat"]), ctx.t(g["embedding"]),
                              stream=streaming, noise=NSFNoise.zero(),
                              schedule=ChunkSchedule(first_hop=hop, max_hop_multiple=4), prompt_key=name)
-    chunks = runner.render(stream, [int(t) for t in g["token"][0]])
+    if streaming:
+        chunks = runner.render(stream, [int(t) for t in g["token"][0]])
+    else:
+        # the production non-streaming path: the offline renderer (token2wav_offline.py), in a
+        # padded batch with a shorter utterance of the other prompt (its records are dropped)
+        other = ctx.npz("e2e_stream_hop25_p16.npz")
+        companion = Token2WavStream(ctx.t(other["prompt_token"]), ctx.t(other["prompt_feat"]),
+                                    ctx.t(other["embedding"]), stream=False, noise=NSFNoise.zero())
+        companion.append([int(t) for t in other["token"][0][:60]])
+        stream.append([int(t) for t in g["token"][0]])
+        chunks = render_offline(runner, [stream.next_job(llm_done=True), companion.next_job(llm_done=True)])[:1]
+        del records[1:]
     if streaming and not (runner.stats.flow_cached_frames and len(runner.speaker_prefixes)):
         raise RuntimeError(f"{name}: the streaming chunks did not go through the flow state cache")
     out = {}
