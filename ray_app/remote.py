@@ -53,6 +53,7 @@ def _tag(replica: str) -> None:
 
 class RemoteSynthesizer:
     ready = True
+    supports_bistream = False  # so StreamSynthesize's default (text_mode unset) is sentence mode here
 
     def __init__(self, model: DeploymentHandle, speakers: SpeakerStoreBase, sample_rate: int,
                  text_idle_seconds: float = 30.0, max_sentence_chars: int = MAX_STREAM_SENTENCE_CHARS):
@@ -83,14 +84,18 @@ class RemoteSynthesizer:
                 log.warning("request %s: replica died before the first chunk (%s); retrying on another",
                             request.request_id, type(e).__name__)
 
-    async def synthesize_stream(self, text, request: SynthesisRequest, *,
-                                text_mode: str | None = None) -> AsyncIterator[AudioChunk]:
-        """Sentence mode across the replica boundary: each complete sentence is one Synthesize on
-        some replica, its chunks renumbered into one stream ending with a final chunk. Bistream
-        needs one LM request fed for the whole text, which a Ray handle call cannot be."""
+    async def synthesize_stream(self, text, request: SynthesisRequest, *, text_mode: str | None = None,
+                                text_normalization: str | None = None) -> AsyncIterator[AudioChunk]:
+        """Sentence mode across the replica boundary (also when text_mode is unset): each complete
+        sentence is one Synthesize on some replica, its chunks renumbered into one stream ending
+        with a final chunk. Bistream needs one LM request fed for the whole text, which a Ray
+        handle call cannot be; so is its raw text feeding."""
         if text_mode == "bistream":
             raise Unsupported("text_mode 'bistream' is not served through Ray Serve (each sentence is its own "
                               "replica request); use 'sentence'")
+        if text_normalization == "raw":
+            raise InvalidRequest("text_normalization 'raw' feeds bistream pieces as upstream does; Ray Serve "
+                                 "serves sentence mode, which normalizes whole sentences")
         index = offset = tokens = n = 0
         pieces = checked_pieces(text, self.text_idle_seconds)
         async for sentence in complete_sentences(pieces, self.max_sentence_chars):
