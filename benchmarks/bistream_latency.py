@@ -16,6 +16,7 @@ Prints a table; the JSON goes to `--out` (default $OUT/bistream_latency.json, el
   python benchmarks/bistream_latency.py                                          # CPU, tiny random model
   python benchmarks/bistream_latency.py --random-preset cosyvoice2-0.5b --device cuda   # ~2-3 min on an H200
   python benchmarks/bistream_latency.py --model-dir DIR --device cuda             # real weights
+  python benchmarks/bistream_latency.py --random-preset cosyvoice2-0.5b --device cuda --config configs/gpu.yaml
 
 Random weights: the LM's 6562 logit is pushed down. Upstream's bistream loop raises when the LM
 samples 6562 (real weights practically never do; random ones now and then would, and a stream
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.frontend.sentences import SentenceSplitter
@@ -127,16 +129,22 @@ def summary(results: list[StreamResult], wall_s: float | None = None) -> dict:
 
 
 def build_config(args, model_dir: Path, speakers_dir: str) -> Config:
+    """h200_bench's settings (built-in engine with CUDA graphs, bf16 LM on cuda, eager flow; the
+    flow cache off on cuda as in configs/gpu.yaml), or `--config FILE` as the base."""
     cuda = args.device.startswith("cuda")
-    return Config.model_validate({
-        "model": {"dir": str(model_dir), "device": args.device,
-                  "llm_dtype": args.llm_dtype or ("bfloat16" if cuda else "float32")},
-        "engine": {"kind": "native", "max_num_seqs": max(16, 2 * args.streams), "max_model_len": 1024,
-                   "cuda_graphs": cuda},
-        "token2wav": {"batching": True},
-        "speakers": {"dir": speakers_dir},
-        "limits": {"max_concurrent_streams": max(64, 2 * args.streams)},
-    })
+    data = {"engine": {"kind": "native", "cuda_graphs": cuda},
+            "token2wav": {"batching": True, "flow_cache": not cuda}}
+    if args.config:
+        data = yaml.safe_load(args.config.read_text(encoding="utf-8")) or {}
+    data.setdefault("model", {}).update(dir=str(model_dir), device=args.device)
+    if args.llm_dtype or not args.config:
+        data["model"]["llm_dtype"] = args.llm_dtype or ("bfloat16" if cuda else "float32")
+    engine = data.setdefault("engine", {})
+    engine["max_num_seqs"] = max(engine.get("max_num_seqs", 0), 16, 2 * args.streams)
+    engine["max_model_len"] = max(engine.get("max_model_len", 0), 2048)
+    data["speakers"] = {"dir": speakers_dir}
+    data.setdefault("limits", {})["max_concurrent_streams"] = max(64, 2 * args.streams)
+    return Config.model_validate(data)
 
 
 def model_dir_for(args) -> tuple[Path, bool]:
@@ -225,6 +233,8 @@ def main(argv=None) -> int:
     src.add_argument("--model-dir", help="an official CosyVoice2 directory (real weights)")
     src.add_argument("--random-preset", default="tiny", help="random model preset: tiny, cosyvoice2-0.5b")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--config", type=Path, help="a server config YAML as the base (e.g. configs/gpu.yaml); "
+                                              "model dir, device, speakers and stream limits are set here")
     p.add_argument("--llm-dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-seconds", type=float, default=3.0, help="the speaker's prompt (25 tokens/s)")
