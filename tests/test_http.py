@@ -463,7 +463,7 @@ def test_websocket_close_cancels_synthesis(server):
 
     async def body():
         async with ws_connect(server.ws, additional_headers=AUTH) as ws:
-            await ws.send(json.dumps({"type": "config", "voice": "alloy"}))
+            await ws.send(json.dumps({"type": "config", "voice": "alloy", "options": {"seed": 2}}))
             await ws.recv()
             await ws.send(json.dumps({"type": "text", "text": long_text}))
             await ws.send(json.dumps({"type": "flush"}))
