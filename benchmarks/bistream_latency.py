@@ -18,9 +18,8 @@ Prints a table; the JSON goes to `--out` (default $OUT/bistream_latency.json, el
   python benchmarks/bistream_latency.py --model-dir DIR --device cuda             # real weights
   python benchmarks/bistream_latency.py --random-preset cosyvoice2-0.5b --device cuda --config configs/gpu.yaml
 
-Random weights: the LM's 6562 logit is pushed down. Upstream's bistream loop raises when the LM
-samples 6562 (real weights practically never do; random ones now and then would, and a stream
-would fail); sentence mode never samples it either (it is a stop token there).
+Random presets push the LM's 6562 logit down (make_random_model, GENERATOR_VERSION 3): upstream's
+bistream loop raises when the LM samples 6562, which real weights practically never do.
 """
 from __future__ import annotations
 
@@ -36,12 +35,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 import yaml
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.frontend.sentences import SentenceSplitter
-from async_cosyvoice.models.dims import EOS2_TOKEN
 from async_cosyvoice.random_model import make_random_model
 from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.tts import Synthesizer
@@ -147,25 +144,22 @@ def build_config(args, model_dir: Path, speakers_dir: str) -> Config:
     return Config.model_validate(data)
 
 
-def model_dir_for(args) -> tuple[Path, bool]:
-    """(directory, random weights?): --model-dir, else a random preset written once under /tmp
-    (the path h200_bench.py uses, so the two share it)."""
+def model_dir_for(args) -> Path:
+    """--model-dir, else a random preset written once under /tmp (the path h200_bench.py uses, so
+    the two share it)."""
     if args.model_dir:
-        return Path(args.model_dir), False
+        return Path(args.model_dir)
     path = Path(tempfile.gettempdir()) / "async_cosyvoice_bench" / f"{args.random_preset}-seed{args.seed}"
-    return make_random_model(args.random_preset, path, seed=args.seed), True
+    return make_random_model(args.random_preset, path, seed=args.seed)
 
 
 async def measure(args) -> dict:
     t_start = time.perf_counter()
-    model_dir, random_weights = model_dir_for(args)
+    model_dir = model_dir_for(args)
     t_model = time.perf_counter() - t_start
     with tempfile.TemporaryDirectory(prefix="bistream-bench-spk-") as spk:
         synth = await Synthesizer.create(build_config(args, model_dir, spk), warmup=True)
         try:
-            if random_weights and synth.models.llm is not None:
-                with torch.no_grad():
-                    synth.models.llm.llm_decoder.bias[EOS2_TOKEN] = -1e4
             spec = bench.SpeakerSpec(speaker_id=SPEAKER, prompt_seconds=args.prompt_seconds, seed=args.seed)
             prompt_tokens = await bench.register_in_process(synth, spec)
             pieces = text_pieces(synth, REPLY, args.piece_tokens)
