@@ -6,7 +6,8 @@
         async for chunk in utterance.run(batcher): yield chunk
 
 `synthesize_stream` does the same for text that arrives in pieces, with the voice prepared once per
-stream: one LM request fed the text as it comes (bistream, where the engine can) or one per sentence. `SyncSynthesizer` runs a Synthesizer for scripts without a loop.
+stream: one LM request fed the text as it comes (bistream, where the engine can) or one per
+sentence. `SyncSynthesizer` runs a Synthesizer for scripts without a loop.
 """
 from __future__ import annotations
 

@@ -206,8 +206,8 @@ def table(results: dict) -> str:
              f"complete at {1000 * m['first_sentence_at_s']:.0f} ms, last piece at "
              f"{1000 * m['last_piece_at_s']:.0f} ms); prompt {m['prompt_speech_tokens']} speech tokens"
              + (f"; throughput max_tokens {m['throughput_max_tokens']}" if m["throughput_max_tokens"] else ""),
-             "", f"{'phase':<18}{'mode':<10}{'first audio p50':>16}{'p90':>7}{'after text p50':>16}"
-             f"{'audio s':>9}{'audio s/s':>10}{'errors':>8}"]
+             "", (f"{'phase':<18}{'mode':<10}{'first audio p50':>16}{'p90':>7}{'after text p50':>16}"
+                  f"{'audio s':>9}{'audio s/s':>10}{'errors':>8}")]
     for key in ("latency", "throughput"):
         for mode, s in results[key].items():
             label = "1 at a time" if key == "latency" else f"{s['streams']} at once"
