@@ -45,10 +45,11 @@ from async_cosyvoice.tts import Synthesizer
 from cosyvoice_cli import bench
 
 # a voice agent's reply: three sentences of 20-30 words, as a chat LLM writes them
-REPLY = ("The next train to the airport leaves from platform four at a quarter past nine, and on most "
-         "days it arrives a little after ten. If you would rather not change trains, the express bus "
-         "from the main square takes about the same time and costs a little less. Would you like me to "
-         "book a seat on one of them for you?")
+SENTENCES = ("The next train to the airport leaves from platform four at a quarter past nine, and on most days "
+             "it arrives a little after ten.",
+             "If you would rather not change trains, the express bus from the main square takes about the same "
+             "time and costs a little less.",
+             "Would you like me to book a seat on one of them for you?")
 SPEAKER = "bistream-bench"
 MODES = ("bistream", "sentence")
 
@@ -162,7 +163,8 @@ async def measure(args) -> dict:
         try:
             spec = bench.SpeakerSpec(speaker_id=SPEAKER, prompt_seconds=args.prompt_seconds, seed=args.seed)
             prompt_tokens = await bench.register_in_process(synth, spec)
-            pieces = text_pieces(synth, REPLY, args.piece_tokens)
+            reply = " ".join(SENTENCES[:args.sentences])
+            pieces = text_pieces(synth, reply, args.piece_tokens)
             t_ready = time.perf_counter() - t_start
             for mode in MODES:  # untimed: first-touch costs of both paths
                 await one_stream(synth, mode, pieces, 0.0, seed=999, max_tokens=None)
@@ -183,8 +185,8 @@ async def measure(args) -> dict:
     return {
         "meta": {"script": "benchmarks/bistream_latency.py", "argv": sys.argv[1:], "model_dir": str(model_dir),
                  "random_preset": None if args.model_dir else args.random_preset, "device": args.device,
-                 "environment": bench.environment(args.device), "reply": REPLY, "pieces": len(pieces),
-                 "text_tokens": len(synth.tokenizer.encode(REPLY)), "piece_tokens": args.piece_tokens,
+                 "environment": bench.environment(args.device), "reply": reply, "pieces": len(pieces),
+                 "text_tokens": len(synth.tokenizer.encode(reply)), "piece_tokens": args.piece_tokens,
                  "interval_s": args.interval, "last_piece_at_s": (len(pieces) - 1) * args.interval,
                  "first_sentence_at_s": first_sentence_piece(pieces) * args.interval,
                  "prompt_speech_tokens": prompt_tokens, "throughput_max_tokens": args.throughput_max_tokens,
@@ -232,6 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--llm-dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-seconds", type=float, default=3.0, help="the speaker's prompt (25 tokens/s)")
+    p.add_argument("--sentences", type=int, default=3, choices=[1, 2, 3], help="sentences of the reply")
     p.add_argument("--piece-tokens", type=int, default=5, help="text tokens per piece")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between pieces")
     p.add_argument("--repeats", type=int, default=5, help="latency phase: streams per mode, one at a time")
