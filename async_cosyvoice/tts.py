@@ -5,8 +5,9 @@
     for each text segment: Utterance(...)     its engine request, tokens, token2wav stream, timeline
         async for chunk in utterance.run(batcher): yield chunk
 
-`synthesize_stream` does the same for text that arrives in pieces (sentence by sentence), with the
-voice prepared once per stream. `SyncSynthesizer` runs a Synthesizer for scripts without a loop.
+`synthesize_stream` does the same for text that arrives in pieces, with the voice prepared once per
+stream: one LM request fed the text as it comes (bistream, where the engine can) or one per
+sentence. `SyncSynthesizer` runs a Synthesizer for scripts without a loop.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from .estimator import estimator_from_config
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
+from .frontend.stream_text import StreamTextNormalizer
 from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
@@ -65,6 +67,7 @@ from .warmup import Warmup, compile_in_use, use_compile_cache
 log = logging.getLogger(__name__)
 
 TextMode = Literal["sentence", "bistream"]
+TextNormalization = Literal["safe", "raw"]
 MAX_STREAM_SENTENCE_CHARS = 200  # a streamed text without sentence ends is cut at about this length
 
 
@@ -79,6 +82,11 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
                if t2w.offline else None)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
                             offline_wait_s=t2w.offline_wait_ms / 1000)
+
+
+def default_text_mode(supports_bistream: bool) -> TextMode:
+    """What a text stream gets when it does not say: bistream where the engine can, else sentences."""
+    return "bistream" if supports_bistream else "sentence"
 
 
 async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float) -> AsyncIterator[str | object]:
@@ -270,28 +278,38 @@ class Synthesizer:
                 for t in segments]
 
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
-                                text_mode: TextMode | None = None) -> AsyncIterator[AudioChunk]:
+                                text_mode: TextMode | None = None,
+                                text_normalization: TextNormalization | None = None) -> AsyncIterator[AudioChunk]:
         """Text that arrives in pieces (a token, a word, a sentence) -> chunks. The voice and
         options come from `request` (its text stays empty); the voice is prepared once.
 
-        text_mode "sentence" (the default): each sentence is normalized and synthesized as soon
-        as it is complete (`FLUSH` cuts what is buffered), with upstream's length rules.
-        "bistream" (engines with `supports_bistream`): one LM request for the whole stream, fed
-        each piece's tokens as it arrives (CosyVoice2's bistream mode: speech starts after the
-        first 10 text tokens). Pieces are tokenized one by one without text normalization, as
-        upstream does. Upstream's bistream loop has no length rule, so a model that never emits
-        EOS would speak to max_model_len: `_length_rule` applies upstream's max_token_text_ratio
-        once the text has ended. Not the default yet: it has not been measured on a GPU. Either
-        way the stream ends with a final chunk, which carries no audio when the end of the text
-        was known only after the last audio. A pause of more than `limits.text_idle_seconds` between pieces raises
-        TextTimeout."""
+        text_mode "bistream" (the default where the engine `supports_bistream`): one LM request
+        for the whole stream, fed the text's tokens as they arrive (CosyVoice2's bistream mode:
+        speech starts after the first 10 text tokens). text_normalization "safe" (the default):
+        the text is normalized like a whole text, released up to the last safe boundary
+        (frontend/stream_text.py: one word late in English, a clause in Chinese; `FLUSH` releases
+        what is held); "raw": each piece tokenized on its own without normalization, exactly as
+        upstream, for token-for-token parity. Upstream's bistream loop has no length rule, so a
+        model that never emits EOS would speak to max_model_len: `_length_rule` applies
+        upstream's max_token_text_ratio once the text has ended.
+        "sentence" (the default otherwise): each sentence is normalized and synthesized as soon as
+        it is complete (`FLUSH` cuts what is buffered), with upstream's length rules.
+        Either way the stream ends with a final chunk, which carries no audio when the end of the
+        text was known only after the last audio. A pause of more than `limits.text_idle_seconds`
+        between pieces raises TextTimeout."""
         request = self.rules.check(request, streamed_text=True)
-        mode = text_mode or "sentence"
+        mode = text_mode or default_text_mode(self.supports_bistream)
         if mode not in ("sentence", "bistream"):
             raise InvalidRequest(f"text_mode must be 'sentence' or 'bistream', got {text_mode!r}")
         if mode == "bistream" and not self.supports_bistream:
             raise Unsupported(f"the {self.config.engine.kind} engine cannot extend a running LM request "
                               "with text; use text_mode 'sentence'")
+        normalization = text_normalization or "safe"
+        if normalization not in ("safe", "raw"):
+            raise InvalidRequest(f"text_normalization must be 'safe' or 'raw', got {text_normalization!r}")
+        if normalization == "raw" and mode == "sentence":
+            raise InvalidRequest("text_normalization 'raw' feeds bistream pieces as upstream does; sentence mode "
+                                 "normalizes whole sentences (options.text_frontend=false skips that)")
         voice = await self.prepare_voice(request)
         instruction = await self._in_cpu(self._instruction_tokens, request)
         pieces = checked_pieces(text, self.config.limits.text_idle_seconds)
@@ -299,8 +317,10 @@ class Synthesizer:
         if mode == "bistream":
             model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
             fed = TextFed()
+            normalizer = (StreamTextNormalizer(self.text_frontend, enabled=request.options.text_frontend)
+                          if normalization == "safe" else None)
             utterance = self._utterance(request, model_input, 0, playback, last=True,
-                                        text_tokens=self._piece_tokens(pieces, fed), fed=fed)
+                                        text_tokens=self._piece_tokens(pieces, fed, normalizer), fed=fed)
             async for chunk in utterance.run():
                 yield chunk
             return
@@ -325,17 +345,33 @@ class Synthesizer:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
-    async def _piece_tokens(self, pieces: AsyncIterator[str | object], fed: TextFed) -> AsyncIterator[list[int]]:
-        """Bistream: each piece's token ids (FLUSH means nothing to an LM that reads as text comes)."""
+    async def _piece_tokens(self, pieces: AsyncIterator[str | object], fed: TextFed,
+                            normalizer: StreamTextNormalizer | None) -> AsyncIterator[list[int]]:
+        """Bistream: the text's token ids as they become known. Raw (no normalizer): each piece's
+        own (FLUSH means nothing to an LM that reads as text comes); safe: the normalized text up
+        to the last safe boundary (FLUSH releases what is held)."""
         async for piece in pieces:
-            if piece is FLUSH or not piece:
+            if normalizer is not None:
+                tokens = await self._in_cpu(self._released_tokens, normalizer, piece)
+            elif piece is FLUSH or not piece:
                 continue
-            tokens = await self._in_cpu(self.tokenizer.encode, piece)
+            else:
+                tokens = await self._in_cpu(self.tokenizer.encode, piece)
+            if tokens:
+                fed.n_tokens += len(tokens)
+                yield tokens
+        if normalizer is not None and (tokens := await self._in_cpu(self._released_tokens, normalizer, None)):
             fed.n_tokens += len(tokens)
             yield tokens
         if fed.n_tokens == 0:
-            raise InvalidRequest("no text was received")
+            raise InvalidRequest("no text was received (or only whitespace)")
         fed.ended = True
+
+    def _released_tokens(self, normalizer: StreamTextNormalizer, piece: str | object | None) -> list[int]:
+        """CPU pool: a piece (FLUSH, or None for the end) into the normalizer -> the released tokens."""
+        released = (normalizer.end() if piece is None else normalizer.flush() if piece is FLUSH
+                    else normalizer.feed(piece))
+        return self.tokenizer.encode(released) if released else []
 
     async def _length_rule(self, speech: AsyncIterator[list[int]], fed: TextFed) -> AsyncIterator[list[int]]:
         """Bistream: upstream's length rule for text it has all of (at most max_token_text_ratio

@@ -281,17 +281,21 @@ class CosyVoiceClient:
                                 speaker_id: str | None = None, prompt_audio: AudioInput | None = None,
                                 prompt_text: str | None = None, instruct_text: str | None = None,
                                 request_id: str = "", timeout: float | None = None, metadata=(),
-                                text_mode: str | None = None, **opts) -> AsyncIterator[pb2.AudioChunk]:
+                                text_mode: str | None = None, text_normalization: str | None = None,
+                                **opts) -> AsyncIterator[pb2.AudioChunk]:
         """Bidirectional: sends the voice config, then each text piece as it comes, then `end`;
         yields audio while pieces are still being sent. text_mode: "bistream" or "sentence"
-        (None: the server's default)."""
+        (None: the server's default, GetServerInfo's default_text_mode); text_normalization
+        (bistream): "safe" or "raw" (None: safe)."""
         mode = mode or infer_mode(speaker_id=speaker_id, prompt_audio=prompt_audio, prompt_text=prompt_text,
                                   instruct_text=instruct_text, source_audio=None)
         field, msg = _voice(mode, speaker_id=speaker_id, prompt_audio=prompt_audio, prompt_text=prompt_text,
                             instruct_text=instruct_text, source_audio=None)
         modes = {None: pb2.TEXT_MODE_UNSPECIFIED, "bistream": pb2.TEXT_MODE_BISTREAM, "sentence": pb2.TEXT_MODE_SENTENCE}
+        normalizations = {None: pb2.TEXT_NORMALIZATION_UNSPECIFIED, "safe": pb2.TEXT_NORMALIZATION_SAFE,
+                          "raw": pb2.TEXT_NORMALIZATION_RAW}
         config = pb2.StreamConfig(options=options(**opts), request_id=request_id, text_mode=modes[text_mode],
-                                  **{field: msg})
+                                  text_normalization=normalizations[text_normalization], **{field: msg})
 
         async def requests():
             yield pb2.StreamSynthesizeRequest(config=config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from importlib import metadata
 
 from async_cosyvoice.config import Config
+from async_cosyvoice.tts import default_text_mode
 
 from ._stubs import load as _load_stubs
 from .encoding import DEFAULT_ENCODING, encoding_info
@@ -11,6 +12,8 @@ from .encoding import DEFAULT_ENCODING, encoding_info
 pb2, _ = _load_stubs()
 
 NATIVE_SAMPLE_RATE = 24000
+TEXT_MODES = {"bistream": pb2.TEXT_MODE_BISTREAM, "sentence": pb2.TEXT_MODE_SENTENCE}
+TEXT_NORMALIZATIONS = {"safe": pb2.TEXT_NORMALIZATION_SAFE, "raw": pb2.TEXT_NORMALIZATION_RAW}
 DEFAULT_MODEL_NAME = "cosyvoice2"
 
 
@@ -36,5 +39,7 @@ def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
             max_forced_tokens=limits.max_forced_tokens, max_message_bytes=limits.max_message_bytes),
         engine=config.engine.kind,
         bistream=synth is not None and synth.supports_bistream,
+        default_text_mode=(pb2.TEXT_MODE_UNSPECIFIED if synth is None else
+                           TEXT_MODES[default_text_mode(synth.supports_bistream)]),
         ready=synth is not None and synth.ready,
         version=_version())

@@ -31,7 +31,7 @@ from async_cosyvoice.tts import Synthesizer
 from ._stubs import load as _load_stubs
 from .encoding import ENCODING_FORMATS, MAX_CHUNK_BYTES, AudioEncoder, _Output, check_output
 from .metrics import Metrics
-from .server_info import server_info
+from .server_info import TEXT_MODES, TEXT_NORMALIZATIONS, server_info
 from .status_details import error_trailer
 
 pb2, pb2_grpc = _load_stubs()
@@ -103,6 +103,16 @@ class _Call:
             request_id=self.request_id, speech_tokens=self.tokens, audio_seconds=audio_seconds,
             first_chunk_latency_seconds=first, total_seconds=total,
             rtf=total / audio_seconds if audio_seconds > 0 else 0.0)
+
+
+def _enum_option(value: int, names: dict[str, int], field: str, enum: str) -> str | None:
+    """A StreamConfig enum as the library's name; None when unset (the library's default)."""
+    if not value:
+        return None
+    for name, number in names.items():
+        if number == value:
+            return name
+    raise InvalidRequest(f"{field} {value} is not a known {enum}")
 
 
 def _decode_audio(msg: pb2.AudioData, what: str) -> Audio:
@@ -381,12 +391,12 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             async with self._stream_slot():
                 template, output = await asyncio.to_thread(self._synthesis_request, config, "", call.request_id)
                 try:
-                    text_mode = {pb2.TEXT_MODE_BISTREAM: "bistream", pb2.TEXT_MODE_SENTENCE: "sentence"}.get(
-                        config.text_mode)
-                    if config.text_mode and text_mode is None:
-                        raise InvalidRequest(f"config.text_mode {config.text_mode} is not a known TextMode")
-                    await self._speak(synth.synthesize_stream(text_pieces(), template, text_mode=text_mode), call,
-                                      self._encoder(synth, output))
+                    text_mode = _enum_option(config.text_mode, TEXT_MODES, "config.text_mode", "TextMode")
+                    normalization = _enum_option(config.text_normalization, TEXT_NORMALIZATIONS,
+                                                 "config.text_normalization", "TextNormalization")
+                    chunks = synth.synthesize_stream(text_pieces(), template, text_mode=text_mode,
+                                                     text_normalization=normalization)
+                    await self._speak(chunks, call, self._encoder(synth, output))
                 except asyncio.CancelledError:
                     if misuse:
                         raise misuse[0] from None

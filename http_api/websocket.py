@@ -1,9 +1,10 @@
 """`/v1/audio/speech/stream`: text pieces in as they arrive (LLM tokens, words, sentences), audio out.
 
 Protocol (every message is a JSON text frame; the schema is in NOTES-http.md):
-  client -> {"type": "config", "voice": id, "instructions"?, "format"?, "sample_rate"?, "options"?: {...}}
+  client -> {"type": "config", "voice": id, "instructions"?, "format"?, "sample_rate"?, "options"?: {...},
+             "text_mode"?: "bistream" | "sentence", "text_normalization"?: "safe" | "raw"}
             {"type": "text", "text": "..."}*   {"type": "flush"}   {"type": "end"}
-  server -> {"type": "ready", ...}  {"type": "audio", "index", "sample_offset", "num_samples",
+  server -> {"type": "ready", "text_mode", ...}  {"type": "audio", "index", "sample_offset", "num_samples",
             "is_final", "audio": base64}*  {"type": "done", summary}   or   {"type": "error", "code", "message"}
 The socket closes after `done` (1000) or `error` (4000 + the HTTP status). A client that closes
 the socket cancels everything: the reader sees the close and cancels the synthesis task, whose
@@ -23,6 +24,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from async_cosyvoice.errors import InvalidRequest
 from async_cosyvoice.request import FLUSH, SynthesisOptions, SynthesisRequest
+from async_cosyvoice.tts import default_text_mode
 
 from .audio import STREAM_FORMATS, EncodedAudio
 from .backend import Backend
@@ -92,7 +94,7 @@ class _Session:
         self.ws, self.backend, self.call = ws, backend, call
         self.pieces: asyncio.Queue = asyncio.Queue()  # str | FLUSH | None (end)
 
-    async def configure(self) -> tuple[SynthesisRequest, str, int, str | None]:
+    async def configure(self) -> tuple[SynthesisRequest, str, int, str, str | None]:
         backend, call = self.backend, self.call
         synth = backend.synthesizer()
         config = await _receive(self.ws)
@@ -100,7 +102,7 @@ class _Session:
             raise InvalidRequest(f'the first message must be {{"type": "config", "voice": ...}}, got type '
                                  f'{config["type"]!r}')
         unknown = sorted(set(config) - {"type", "voice", "instructions", "format", "sample_rate", "options",
-                                        "request_id", "text_mode"})
+                                        "request_id", "text_mode", "text_normalization"})
         if unknown:
             raise InvalidRequest(f"config: unknown field(s) {', '.join(unknown)}")
         fmt = config.get("format", "pcm")
@@ -115,9 +117,12 @@ class _Session:
             if not isinstance(request_id, str) or not _REQUEST_ID_RE.fullmatch(request_id):
                 raise InvalidRequest("config.request_id must be 1-64 characters from A-Z a-z 0-9 _ . -")
             call.request_id = request_id
-        text_mode = config.get("text_mode")  # None: the library's default (sentence)
-        if text_mode is not None and not isinstance(text_mode, str):
-            raise InvalidRequest("config.text_mode must be a string (sentence or bistream)")
+        text_mode = config.get("text_mode", default_text_mode(synth.supports_bistream))
+        if text_mode not in ("bistream", "sentence"):
+            raise InvalidRequest(f"config.text_mode must be 'bistream' or 'sentence', got {json.dumps(text_mode)}")
+        normalization = config.get("text_normalization")  # None: the library's default (safe)
+        if normalization is not None and not isinstance(normalization, str):
+            raise InvalidRequest("config.text_normalization must be a string (safe or raw)")
         instructions = config.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise InvalidRequest("config.instructions must be a string")
@@ -127,7 +132,7 @@ class _Session:
         call.mode = choice.mode.value
         request = SynthesisRequest(mode=choice.mode, text="", speaker_id=choice.speaker_id,
                                    instruct_text=choice.instruct_text, options=options, request_id=call.request_id)
-        return request, fmt, rate, text_mode
+        return request, fmt, rate, text_mode, normalization
 
     async def read(self) -> None:
         """Text pieces into the queue until `end`; then only a close is expected. Returns never:
@@ -164,11 +169,13 @@ class _Session:
         while (item := await self.pieces.get()) is not None:
             yield item
 
-    async def speak(self, synth, request: SynthesisRequest, audio: EncodedAudio, text_mode: str | None) -> None:
+    async def speak(self, synth, request: SynthesisRequest, audio: EncodedAudio, text_mode: str,
+                    normalization: str | None) -> None:
         """Chunks of the text stream -> audio messages; the library ends every stream with a final chunk
         (it may carry no samples), which also carries the encoder's tail."""
         call = self.call
-        async with contextlib.aclosing(synth.synthesize_stream(self.text(), request, text_mode=text_mode)) as chunks:
+        stream = synth.synthesize_stream(self.text(), request, text_mode=text_mode, text_normalization=normalization)
+        async with contextlib.aclosing(stream) as chunks:
             async for chunk in chunks:
                 data = await audio.encode(chunk.samples)
                 if chunk.is_final:
@@ -196,14 +203,15 @@ async def speech_stream(ws: WebSocket) -> None:
     await ws.accept()
     try:
         backend.check_token(_bearer(ws))
-        request, fmt, rate, text_mode = await session.configure()
+        request, fmt, rate, text_mode, normalization = await session.configure()
         synth = backend.synthesizer()
         async with backend.limiter.slot():
             audio = await EncodedAudio.open(fmt, rate, synth.sample_rate, backend.encode_pool)
             await ws.send_text(json.dumps({"type": "ready", "request_id": call.request_id, "format": fmt,
-                                           "sample_rate": rate, "content_type": audio.content_type}))
+                                           "sample_rate": rate, "content_type": audio.content_type,
+                                           "text_mode": text_mode}))
             reader = asyncio.create_task(session.read())
-            speaker = asyncio.create_task(session.speak(synth, request, audio, text_mode))
+            speaker = asyncio.create_task(session.speak(synth, request, audio, text_mode, normalization))
             tasks = [reader, speaker]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if not speaker.done():  # the reader ended first: the client closed or sent a bad message

@@ -57,7 +57,7 @@ class RemoteSynthesizer:
     registration run on a model replica; speakers are read from the shared store, and `rules`
     (the same limits as the replicas') check text before a replica is asked."""
     ready = True
-    supports_bistream = False  # see synthesize_stream
+    supports_bistream = False  # so StreamSynthesize's default (text_mode unset) is sentence mode here
 
     def __init__(self, model: DeploymentHandle, speakers: SpeakerStoreBase, sample_rate: int, rules: RequestRules,
                  text_idle_seconds: float = 30.0, max_sentence_chars: int = MAX_STREAM_SENTENCE_CHARS):
@@ -89,14 +89,18 @@ class RemoteSynthesizer:
                 log.warning("request %s: replica died before the first chunk (%s); retrying on another",
                             request.request_id, type(e).__name__)
 
-    async def synthesize_stream(self, text, request: SynthesisRequest, *,
-                                text_mode: str | None = None) -> AsyncIterator[AudioChunk]:
-        """Sentence mode across the replica boundary: each complete sentence is one Synthesize on
-        some replica, its chunks renumbered into one stream ending with a final chunk. Bistream
-        needs one LM request fed for the whole text, which a Ray handle call cannot be."""
+    async def synthesize_stream(self, text, request: SynthesisRequest, *, text_mode: str | None = None,
+                                text_normalization: str | None = None) -> AsyncIterator[AudioChunk]:
+        """Sentence mode across the replica boundary (also when text_mode is unset): each complete
+        sentence is one Synthesize on some replica, its chunks renumbered into one stream ending
+        with a final chunk. Bistream needs one LM request fed for the whole text, which a Ray
+        handle call cannot be; so is its raw text feeding."""
         if text_mode == "bistream":
             raise Unsupported("text_mode 'bistream' is not served through Ray Serve (each sentence is its own "
                               "replica request); use 'sentence'")
+        if text_normalization == "raw":
+            raise InvalidRequest("text_normalization 'raw' feeds bistream pieces as upstream does; Ray Serve "
+                                 "serves sentence mode, which normalizes whole sentences")
         index = offset = tokens = n = 0
         pieces = checked_pieces(text, self.text_idle_seconds)
         async for sentence in complete_sentences(pieces, self.max_sentence_chars):

@@ -378,7 +378,7 @@ def test_websocket_streams_text_pieces(server):
     received, code = asyncio.run(ws_session(server.ws, messages))
     assert code == 1000
     assert received[0] == {"type": "ready", "request_id": received[0]["request_id"], "format": "pcm",
-                           "sample_rate": RATE, "content_type": "audio/pcm"}
+                           "sample_rate": RATE, "content_type": "audio/pcm", "text_mode": "bistream"}
     pcm = check_audio_messages(received)
     samples, _ = decode(pcm, "pcm")
     assert len(samples) == sum(m.get("num_samples", 0) for m in received)  # pcm at 24 kHz: 1:1
@@ -416,7 +416,11 @@ def test_websocket_compressed_format_and_query_token(server):
      "config may be sent only once"),
     ([{"type": "config", "voice": "alloy"}, b"\x00\x01"], AUTH, "invalid_request", "binary frames"),
     ([{"type": "config", "voice": "alloy", "text_mode": "paragraph"}, {"type": "text", "text": "Hi."}], AUTH,
-     "invalid_request", "text_mode must be"),
+     "invalid_request", "config.text_mode must be 'bistream' or 'sentence', got \"paragraph\""),
+    ([{"type": "config", "voice": "alloy", "text_normalization": "fancy"}, {"type": "text", "text": "Hi."}], AUTH,
+     "invalid_request", "text_normalization must be 'safe' or 'raw'"),
+    ([{"type": "config", "voice": "alloy", "text_mode": "sentence", "text_normalization": "raw"},
+      {"type": "text", "text": "Hi."}], AUTH, "invalid_request", "sentence mode normalizes whole sentences"),
     ([{"type": "config", "voice": "alloy"}], {"Authorization": "Bearer nope"}, "invalid_api_key",
      "invalid bearer token"),
     ([{"type": "config", "voice": "alloy"}], None, "invalid_api_key", "missing"),
@@ -440,8 +444,8 @@ def test_websocket_text_idle_timeout(server):
 def test_websocket_invalid_json_after_audio_started(server):
     async def body():
         async with ws_connect(server.ws, additional_headers=AUTH) as ws:
-            await ws.send(json.dumps({"type": "config", "voice": "alloy"}))
-            assert json.loads(await ws.recv())["type"] == "ready"
+            await ws.send(json.dumps({"type": "config", "voice": "alloy", "text_mode": "sentence"}))
+            assert json.loads(await ws.recv())["text_mode"] == "sentence"
             await ws.send(json.dumps({"type": "text", "text": "Hi there."}))
             await ws.send(json.dumps({"type": "flush"}))
             assert json.loads(await ws.recv())["type"] == "audio"
@@ -459,7 +463,7 @@ def test_websocket_close_cancels_synthesis(server):
 
     async def body():
         async with ws_connect(server.ws, additional_headers=AUTH) as ws:
-            await ws.send(json.dumps({"type": "config", "voice": "alloy"}))
+            await ws.send(json.dumps({"type": "config", "voice": "alloy", "options": {"seed": 2}}))
             await ws.recv()
             await ws.send(json.dumps({"type": "text", "text": long_text}))
             await ws.send(json.dumps({"type": "flush"}))

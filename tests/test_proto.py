@@ -34,6 +34,9 @@ def test_enum_numbers_never_change():
         "AUDIO_ENCODING_UNSPECIFIED": 0, "AUDIO_ENCODING_PCM16": 1, "AUDIO_ENCODING_FLOAT32": 2,
         "AUDIO_ENCODING_WAV": 3, "AUDIO_ENCODING_OPUS": 4, "AUDIO_ENCODING_MP3": 5,
         "AUDIO_ENCODING_AAC": 6, "AUDIO_ENCODING_FLAC": 7, "AUDIO_ENCODING_WEBM_OPUS": 8}
+    assert dict(pb2.TextMode.items()) == {"TEXT_MODE_UNSPECIFIED": 0, "TEXT_MODE_BISTREAM": 1, "TEXT_MODE_SENTENCE": 2}
+    assert dict(pb2.TextNormalization.items()) == {"TEXT_NORMALIZATION_UNSPECIFIED": 0, "TEXT_NORMALIZATION_SAFE": 1,
+                                                   "TEXT_NORMALIZATION_RAW": 2}
 
 
 def test_canonical_file_and_service_names():

@@ -185,7 +185,7 @@ def test_streams_past_the_drain_grace_get_unavailable(tiny_dir, tmp_path):
                 while True:
                     yield await pieces.get()
 
-            bidi = c.stream_synthesize(text(), mode="sft", speaker_id="tiny_sft_spk", **LONG)
+            bidi = c.stream_synthesize(text(), mode="sft", speaker_id="tiny_sft_spk", text_mode="sentence", **LONG)
             await asyncio.gather(first_audio(unary), first_audio(bidi))
             stopping = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(st.server.stop(), st.loop))
             results = []

@@ -457,7 +457,8 @@ def test_get_server_info(server):
     info = run(body())
     cfg = server.config
     assert info.model and info.ready and info.engine == cfg.engine.kind == "native"
-    assert info.bistream is bool(getattr(server.server.synthesizer.engine, "supports_bistream", False))
+    assert info.bistream is bool(getattr(server.server.synthesizer.engine, "supports_bistream", False)) is True
+    assert info.default_text_mode == pb2.TEXT_MODE_BISTREAM  # what StreamConfig.text_mode unset gets
     assert list(info.modes) == MODES
     assert info.native_sample_rate == 24000 and info.default_encoding == pb2.AUDIO_ENCODING_PCM16
     assert info.limits.max_text_chars == cfg.limits.max_text_chars == 400
@@ -681,6 +682,7 @@ def test_bad_requests_get_status_codes_and_server_keeps_serving(server, fixture_
 
 @pytest.mark.slow
 def test_stream_synthesize_speaks_before_text_is_complete(server):
+    """Sentence mode: the first sentence is spoken while the rest is still held back."""
     async def body():
         first_audio = asyncio.Event()
         sent = []
@@ -696,7 +698,8 @@ def test_stream_synthesize_speaks_before_text_is_complete(server):
 
         async with CosyVoiceClient(server.target) as c:
             chunks = []
-            async for chunk in c.stream_synthesize(pieces(), speaker_id="tiny_zs_spk", stream=True, seed=5):
+            async for chunk in c.stream_synthesize(pieces(), speaker_id="tiny_zs_spk", stream=True, seed=5,
+                                                   text_mode="sentence"):
                 if chunk.num_samples and not first_audio.is_set():
                     assert sent[-1] == " How are"  # the last piece is not sent yet
                     first_audio.set()
@@ -720,6 +723,22 @@ def test_config_first_hop_over_grpc(server):
     wait_idle(server)
 
 
+@pytest.mark.parametrize("normalization", [None, "raw"], ids=["safe", "raw"])
+def test_stream_synthesize_default_is_bistream(server, normalization):
+    """text_mode unset: one LM request for the whole text (max_tokens bounds the whole stream;
+    sentence mode would force 30 tokens for each of the two sentences)."""
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            pieces = ["We paid 12", " dollars. Then", " we went", " home and rested."]
+            return [ch async for ch in c.stream_synthesize(pieces, speaker_id="tiny_sft_spk", mode="sft", stream=True,
+                                                           seed=4, max_tokens=30, text_normalization=normalization)]
+
+    chunks = run(body())
+    assert chunks[-1].is_final and 0 < chunks[-1].summary.speech_tokens <= 30
+    assert sum(c.num_samples for c in chunks) == 960 * chunks[-1].summary.speech_tokens
+    wait_idle(server)
+
+
 def test_stream_synthesize_encodes_the_voice_once(server, fixture_audio):
     encoder = server.server.servicer.synth.prompt_encoder
 
@@ -728,7 +747,7 @@ def test_stream_synthesize_encodes_the_voice_once(server, fixture_audio):
             pieces = ["One sentence. Another", " sentence here. And a", " third one."]
             return [ch async for ch in c.stream_synthesize(pieces, prompt_audio=fixture_audio["p24"],
                                                            prompt_text=PROMPT_TEXT, stream=True, seed=4,
-                                                           max_tokens=20)]
+                                                           max_tokens=20, text_mode="sentence")]
 
     before = encoder.prompts_encoded
     chunks = run(body())
@@ -750,6 +769,13 @@ def test_stream_synthesize_protocol_errors(server):
                  grpc.StatusCode.INVALID_ARGUMENT, "no text"),
                 ([pb2.StreamSynthesizeRequest(config=pb2.StreamConfig(sft=pb2.Sft(speaker_id="ghost")))],
                  grpc.StatusCode.NOT_FOUND, "ghost"),
+                ([pb2.StreamSynthesizeRequest(config=pb2.StreamConfig(sft=pb2.Sft(speaker_id="tiny_sft_spk"),
+                                                                      text_normalization=7))],
+                 grpc.StatusCode.INVALID_ARGUMENT, "config.text_normalization 7 is not a known TextNormalization"),
+                ([pb2.StreamSynthesizeRequest(config=pb2.StreamConfig(
+                    sft=pb2.Sft(speaker_id="tiny_sft_spk"), text_mode=pb2.TEXT_MODE_SENTENCE,
+                    text_normalization=pb2.TEXT_NORMALIZATION_RAW))],
+                 grpc.StatusCode.INVALID_ARGUMENT, "sentence mode normalizes whole sentences"),
                 ([pb2.StreamSynthesizeRequest(config=config), pb2.StreamSynthesizeRequest(text="Hi there."),
                   pb2.StreamSynthesizeRequest(end=pb2.StreamEnd()), pb2.StreamSynthesizeRequest(text="More.")],
                  grpc.StatusCode.INVALID_ARGUMENT, "after `end`"),

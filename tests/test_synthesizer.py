@@ -298,7 +298,8 @@ def test_synthesize_stream_prepares_the_voice_once(synth, prompt):
     assert chunks[-1].n_tokens == 20 * (max(c.segment_index for c in chunks) + 1)
 
 
-def test_synthesize_stream_times_out_on_silence(synth, prompt):
+@pytest.mark.parametrize("text_mode", [None, "sentence"], ids=["default", "sentence"])
+def test_synthesize_stream_times_out_on_silence(synth, prompt, text_mode):
     import asyncio
 
     from async_cosyvoice.errors import TextTimeout
@@ -312,7 +313,7 @@ def test_synthesize_stream_times_out_on_silence(synth, prompt):
 
     async def body():
         request = _request(Mode.CROSS_LINGUAL, prompt, True, text="", options={"max_tokens": 20})
-        return [c async for c in s.synthesize_stream(stalled(), request)]
+        return [c async for c in s.synthesize_stream(stalled(), request, text_mode=text_mode)]
 
     try:
         with pytest.raises(TextTimeout, match="no text arrived for 0.5 s"):
@@ -373,8 +374,59 @@ def test_bistream_keeps_upstreams_length_rule_once_the_text_ended(synth, prompt)
 
     async def body():
         request = _request(Mode.CROSS_LINGUAL, prompt, True, text="")
-        return [c async for c in s.synthesize_stream(text(), request, text_mode="bistream")]
+        return [c async for c in s.synthesize_stream(text(), request, text_mode="bistream", text_normalization="raw")]
 
     tokens, _ = _check_chunks(synth.call(body()))
     assert 0 < len(tokens) <= int(s.dims.lm.max_token_text_ratio * n_text)
+    assert s.engine_stats().running == 0
+
+
+def test_bistream_is_the_default_and_fed_the_normalized_text(synth, prompt):
+    """No text_mode: one LM request for the whole reply (bistream; sentence mode would make one
+    segment per sentence). What the LM is fed: "safe", the tokens of the whole text normalized;
+    "raw", each piece's own tokens (upstream)."""
+    from async_cosyvoice.frontend.stream_text import StreamTextNormalizer
+    from async_cosyvoice.tts import TextFed, checked_pieces
+
+    s = synth.synth
+    assert s.supports_bistream
+    pieces = ["It", " costs", " 12", " dollars", ". We", " met", " Dr.", " Smith", " at", " 3", " pm", "."]
+    whole = "".join(pieces)
+
+    async def text():
+        for piece in pieces:
+            yield piece
+
+    async def fed(normalizer):
+        return [t async for tokens in s._piece_tokens(checked_pieces(text(), 5.0), TextFed(), normalizer)
+                for t in tokens]
+
+    async def body():
+        request = _request(Mode.SFT, prompt, True, text="", options={"max_tokens": 30})
+        chunks = [c async for c in s.synthesize_stream(text(), request)]
+        return chunks, await fed(StreamTextNormalizer(s.text_frontend)), await fed(None)
+
+    chunks, safe, raw = synth.call(body())
+    _check_chunks(chunks)
+    assert {c.segment_index for c in chunks} == {0}
+    normalized = s.text_frontend.normalize(whole, split=False)
+    assert "twelve dollars" in normalized and "doctor" in normalized
+    assert safe == s.tokenizer.encode(normalized)
+    assert raw == [t for p in pieces for t in s.tokenizer.encode(p)]
+
+
+def test_text_normalization_is_checked(synth, prompt):
+    s = synth.synth
+
+    async def text():
+        yield "Hello there."
+
+    async def run(**kw):
+        request = _request(Mode.SFT, prompt, True, text="", options={"max_tokens": 10})
+        return [c async for c in s.synthesize_stream(text(), request, **kw)]
+
+    with pytest.raises(InvalidRequest, match="text_normalization must be 'safe' or 'raw'"):
+        synth.call(run(text_normalization="fancy"))
+    with pytest.raises(InvalidRequest, match="sentence mode normalizes whole sentences"):
+        synth.call(run(text_mode="sentence", text_normalization="raw"))
     assert s.engine_stats().running == 0

@@ -226,25 +226,30 @@ class TextFrontend:
         _BACKENDS.load(wetext=self._use_wetext)
 
     @overload
-    def normalize(self, text: str, split: Literal[True] = ..., enabled: bool = ...) -> list[str]: ...
+    def normalize(self, text: str, split: Literal[True] = ..., enabled: bool = ...,
+                  lang: Lang | None = ...) -> list[str]: ...
 
     @overload
-    def normalize(self, text: str, split: Literal[False], enabled: bool = ...) -> str: ...
+    def normalize(self, text: str, split: Literal[False], enabled: bool = ..., lang: Lang | None = ...) -> str: ...
 
     @overload
-    def normalize(self, text: str, split: bool, enabled: bool = ...) -> list[str] | str: ...
+    def normalize(self, text: str, split: bool, enabled: bool = ..., lang: Lang | None = ...) -> list[str] | str: ...
 
-    def normalize(self, text: str, split: bool = True, enabled: bool = True) -> list[str] | str:
+    def normalize(self, text: str, split: bool = True, enabled: bool = True,
+                  lang: Lang | None = None) -> list[str] | str:
         """`split=False`: the normalised text (upstream's prompt-text form). `split=True`: the segments to
         synthesise, possibly none (e.g. for "?!..."). `enabled=False` returns the text unchanged
-        (`[text]` when splitting). Raises `TextFrontendError` for whitespace-only text."""
+        (`[text]` when splitting). Raises `TextFrontendError` for whitespace-only text.
+        `lang` forces the language (rules and wetext instance) instead of picking it from `text`: a
+        piece of a longer text (frontend/stream_text.py) takes the language of the whole."""
         if not enabled or text == "" or has_markup(text):
             return [text] if split else text
         stripped = text.strip()
         if not stripped:
             raise TextFrontendError("text is only whitespace; there is nothing to synthesize")
-        lang: Lang = "zh" if contains_chinese(stripped) else "en"
-        normalized = self._text_normalize(stripped, lang)
+        forced = lang is not None
+        lang = lang or ("zh" if contains_chinese(stripped) else "en")
+        normalized = self._text_normalize(stripped, lang, forced)
         if lang == "zh":
             normalized = apply_zh_rules(normalized)
         else:
@@ -259,11 +264,11 @@ class TextFrontend:
             return len
         return lambda s: len(self._tokenizer.encode(s))
 
-    def _text_normalize(self, text: str, lang: Lang) -> str:
+    def _text_normalize(self, text: str, lang: Lang, force_lang: bool = False) -> str:
         if not self._use_wetext:
             return text
         try:
-            return _BACKENDS.text_normalize(text, lang)
+            return _BACKENDS.text_normalize(text, lang, force_lang)
         except Exception as e:  # noqa: BLE001 - wetext asserts on input its tagger cannot parse
             log.warning("wetext cannot normalise this %d-character %s text (%s); normalising it line by line",
                         len(text), lang, type(e).__name__)

@@ -11,10 +11,10 @@ them together. The demo model (`demo.py`) is one of these, so the embedded defau
 Presets: `tiny` has the dims of the shared `cosyvoice2-tiny` fixture; `cosyvoice2-0.5b` the official dims
 (~2.5 GB of fp32 weights, written one file at a time). Weights come from `torch.Generator(seed)` on CPU:
 linears/embeddings N(0, 0.02), norms ~1, snake alpha ~1, weight-norm g = ||v|| so that the folded weight
-is v; HiFT's convs are fan-in scaled instead (ResBlock branches smaller). Four biases are set so a
+is v; HiFT's convs are fan-in scaled instead (ResBlock branches smaller). Five biases are set so a
 demo behaves like a TTS model rather than pure chance: the LM's EOS logit is raised (generation ends
-some tokens after min_len), the flow's mels sit near -5 (a natural log-mel level), the F0 predictor
-outputs ~150 Hz (voiced source) and HiFT's log-magnitude channels start at log(0.05): the demo speaks
+some tokens after min_len) and its 6562 logit lowered (bistream raises on it, as upstream), the
+flow's mels sit near -5 (a natural log-mel level), the F0 predictor outputs ~150 Hz (voiced source) and HiFT's log-magnitude channels start at log(0.05): the demo speaks
 quiet noise (around -40 dBFS), finite and unclipped.
 """
 from .make import GENERATOR_VERSION, is_random_model, make_random_model

@@ -14,6 +14,10 @@ class Preset:
     campplus_hidden: int
     s3tok_hidden: int
     eos_logit_boost: float = 4.0  # in units of the llm_decoder logit std
+    # 6562 (EOS2) pushed down, same units: upstream's bistream loop (our default text-streaming
+    # mode) raises when the LM samples it; real weights practically never do, random ones would
+    # about once per 5,600 tokens
+    eos2_logit_drop: float = 12.0
     f0_hz: float = 150.0  # HiFT F0 predictor output (voiced source)
     magnitude: float = 0.05  # HiFT initial STFT magnitude
     mel_mean: float = -5.0  # level of the flow's mels (a natural log-mel level)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from async_cosyvoice.models.dims import (
-    EOS_TOKEN as SPEECH_EOS, SPEECH_VOCAB, EncoderDims, EstimatorDims, FlowDims, HiFTDims, LMDims,
+    EOS2_TOKEN as SPEECH_EOS2, EOS_TOKEN as SPEECH_EOS, SPEECH_VOCAB, EncoderDims, EstimatorDims, FlowDims, HiFTDims, LMDims,
 )
 
 from .presets import Preset
@@ -241,4 +241,5 @@ def llm_state_dict(preset: Preset, gen: torch.Generator) -> dict[str, torch.Tens
     sd = random_state_dict(llm_specs(preset.dims.lm), gen)
     logit_std = STD * math.sqrt(preset.dims.lm.llm_output_size)
     sd["llm_decoder.bias"][SPEECH_EOS] += preset.eos_logit_boost * logit_std
+    sd["llm_decoder.bias"][SPEECH_EOS2] -= preset.eos2_logit_drop * logit_std
     return sd
