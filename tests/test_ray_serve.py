@@ -263,6 +263,8 @@ def test_server_info_through_ray(ray_cosyvoice, plain):
 
     through_ray, direct = asyncio.run(info(ray_cosyvoice.grpc)), asyncio.run(info(plain.grpc))
     assert through_ray.ready and not through_ray.bistream  # bistream is not served through Ray
+    assert through_ray.default_text_mode == pb2.TEXT_MODE_SENTENCE  # so an unset text_mode is sentence there
+    assert direct.default_text_mode == pb2.TEXT_MODE_BISTREAM
     for field in ["model", "modes", "audio_encodings", "native_sample_rate", "default_encoding", "limits",
                   "engine", "version"]:
         assert getattr(through_ray, field) == getattr(direct, field), field
