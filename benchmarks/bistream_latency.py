@@ -248,11 +248,13 @@ def main(argv=None) -> int:
     results = asyncio.run(measure(args))
     out = args.out or (Path(os.environ["OUT"]) / "bistream_latency.json" if os.environ.get("OUT") else None)
     text = json.dumps(results, indent=1)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n", encoding="utf-8")
     print(text)
     print(table(results))
+    if out:
+        if out.is_dir():
+            out = out / "bistream_latency.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n", encoding="utf-8")
     return 1 if any(s["errors"] for k in ("latency", "throughput") for s in results[k].values()) else 0
 
 
