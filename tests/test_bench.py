@@ -351,6 +351,9 @@ def test_h200_server_script_quick_on_cpu(tmp_path):
     for lv in r["levels"]:
         assert lv["errors"] == 0 and lv["audio_s"] == pytest.approx(lv["requests"] * 20 * bench.SECONDS_PER_TOKEN)
         assert lv["stages"]["token2wav_batch"]["calls"] > 0  # the server's counters, over Prometheus
-    assert r["meta"]["phases"]["server_start_s"] > 0 and len(r["summary"]) == 8
+    assert r["meta"]["phases"]["server_start_s"] > 0 and len(r["summary"]) == 10
+    # the second start of the same server: its own time to SERVING, its first request and warm ones
+    assert r["restart"]["start_s"] > 0 and r["restart"]["first_request"]["errors"] == 0
+    assert r["restart"]["warm"]["errors"] == 0 and r["restart"]["warm"]["requests"] == 3
     assert "through the gRPC server:" in (tmp_path / "server_table.txt").read_text()
     assert {"server-latency.png", "server-first_chunk_hist.png"} <= {p.name for p in tmp_path.iterdir()}
