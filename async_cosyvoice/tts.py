@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +125,7 @@ class Synthesizer:
         self.batcher = batcher
         self.ready = False
         self._cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend")
+        self._engine_serial = itertools.count()  # see _engine_request_id
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -393,7 +395,7 @@ class Synthesizer:
     def _bistream_request(self, request: SynthesisRequest, model_input: ModelInput) -> BistreamRequest:
         opts = request.options
         return BistreamRequest(
-            request_id=f"{request.request_id}-0",
+            request_id=self._engine_request_id(request, 0),
             prompt_text_tokens=tuple(int(t) for t in model_input.prompt_text),
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             # the engine's own bound; the length rule proper is _length_rule
@@ -408,12 +410,18 @@ class Synthesizer:
         if forced:
             min_len = max_len = opts.max_tokens
         return GenerationRequest(
-            request_id=f"{request.request_id}-{segment}",
+            request_id=self._engine_request_id(request, segment),
             text_tokens=model_input.lm_text_tokens,
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             min_tokens=min(min_len, max_len), max_tokens=max(max_len, 1), ras=ras,
             seed=None if opts.seed is None else opts.seed + segment,
             ignore_stop_tokens=forced)
+
+    def _engine_request_id(self, request: SynthesisRequest, segment: int) -> str:
+        """The LM engine's id for one segment. The caller's request_id only labels logs and the
+        summary, so two syntheses may share it; the serial keeps their engine requests apart
+        (a duplicate engine id would be refused by the native engine and merged by vLLM's abort)."""
+        return f"{request.request_id}-{segment}.{next(self._engine_serial)}"
 
     def _ras(self, opts: SynthesisOptions) -> RASParams:
         ras = self.ras_params()

@@ -166,6 +166,31 @@ def test_metrics_port_serves_only_metrics(server):
         assert r.read().decode().strip().endswith("cosyvoice_ready 1.0")
 
 
+def test_concurrent_requests_with_the_same_request_id_are_independent(server):
+    """request_id labels logs and the summary; two requests that share one (a client retrying,
+    two clients choosing the same id) both run to the end, and cancelling one leaves the other."""
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            def call(**opts):
+                return c.synthesize("Hello there, how are you?", speaker_id="tiny_zs_spk", seed=3, max_tokens=30,
+                                    request_id="same-id", **opts)
+
+            async def streamed():
+                return await collect(c.stream_synthesize(["Hello there, ", "how are you?"], speaker_id="tiny_zs_spk",
+                                                         seed=3, max_tokens=30, request_id="same-id", stream=True))
+
+            both = await asyncio.wait_for(asyncio.gather(collect(call(stream=True)), collect(call(stream=False)),
+                                                         streamed()), 120)
+            dropped, kept = call(stream=True), call(stream=True)
+            await first_audio(dropped)
+            await dropped.aclose()  # cancels that RPC while the other, same id, still runs
+            return both, await asyncio.wait_for(collect(kept), 120)
+
+    both, kept = asyncio.run(body())
+    for got in (*both, kept):
+        assert got.summary.request_id == "same-id" and got.summary.speech_tokens == 30
+
+
 # =============================================================================================
 # Shutdown: streams still running when the drain grace ends get UNAVAILABLE
 
