@@ -112,6 +112,8 @@ class ServerConfig(_Section):
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # set: clients must present a certificate signed by it (mTLS)
     grace_seconds: float = 10.0
+    # malloc_trim at the end of a stream when the last one is this old (async_cosyvoice.heap); 0 = never
+    heap_trim_seconds: float = Field(10.0, ge=0)
     # HTTP front door (http_api: OpenAI /v1/audio/speech, WebSocket, web page); None = off
     http_port: int | None = Field(None, ge=0, le=65535)
     served_model_name: str = "cosyvoice2"  # GET /v1/models; OpenAI's tts-1 etc. are accepted too

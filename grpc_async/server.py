@@ -235,6 +235,7 @@ class CosyVoiceServer:
         if self._loader is not None:
             with contextlib.suppress(BaseException):
                 await self._loader
+        await self.servicer.heap.close()
         if self.servicer.synth is not None:
             await self.servicer.synth.close()
         self.metrics.close()

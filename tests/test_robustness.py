@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import urllib.error
 import urllib.request
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -164,6 +166,52 @@ def test_metrics_port_serves_only_metrics(server):
         assert e.value.code == 404, path
     with urllib.request.urlopen(base + "/metrics?name[]=cosyvoice_ready", timeout=10) as r:
         assert r.read().decode().strip().endswith("cosyvoice_ready 1.0")
+
+
+def synthesis_statuses(server) -> Counter:
+    """The server's own count of finished Synthesize RPCs by status (its metrics port)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = Counter()
+    for m in re.finditer(r'^cosyvoice_requests_total\{method="Synthesize",mode="[^"]*",status="(\w+)"\} (\S+)$',
+                         text, re.M):
+        out[m.group(1)] += int(float(m.group(2)))
+    return out
+
+
+def test_client_deadlines_are_counted_as_deadline_exceeded(server):
+    """A client deadline reaches the server as a cancel, sometimes a few ms before the server's own
+    copy of the deadline (it is later by the request's one-way delay): that is still
+    DEADLINE_EXCEEDED in the server's log and metrics, and a plain cancel stays CANCELLED."""
+    text = "This sentence keeps the engine busy for a while, and then some more words follow. " * 2
+
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            async def one(i, timeout=None):
+                try:
+                    await collect(c.synthesize(text, speaker_id="tiny_zs_spk", seed=i, stream=True, timeout=timeout,
+                                               **({} if timeout else {"max_tokens": 60})))
+                    return "OK"
+                except grpc.aio.AioRpcError as e:
+                    return e.code().name
+
+            got = Counter()
+            for round_ in range(6):  # 4 deadlines at a time beside 2 requests that load the server
+                outcomes = await asyncio.gather(*(one(i, 0.05 + 0.06 * (i + round_)) for i in range(4)),
+                                                one(100), one(101))
+                got.update(outcomes[:4])
+            cancelled = c.synthesize(text, speaker_id="tiny_zs_spk", seed=1, stream=True, timeout=60)
+            await first_audio(cancelled)
+            await cancelled.aclose()
+            return got
+
+    before = synthesis_statuses(server)
+    client = asyncio.run(body())
+    server.call(server.server.servicer.idle.wait(), timeout=30)  # the cancelled handlers have unwound
+    after = synthesis_statuses(server)
+    assert client == {"DEADLINE_EXCEEDED": 24}, client
+    assert after["DEADLINE_EXCEEDED"] - before["DEADLINE_EXCEEDED"] == 24, (before, after)
+    assert after["CANCELLED"] - before["CANCELLED"] == 1  # the one cancelled with 59 s to spare
 
 
 def test_concurrent_requests_with_the_same_request_id_are_independent(server):
