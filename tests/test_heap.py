@@ -3,12 +3,18 @@ than asked (async_cosyvoice.heap; the soak in benchmarks/soak.py measures the ef
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from async_cosyvoice.heap import HeapTrimmer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def rss_mib() -> float:
@@ -62,3 +68,34 @@ def test_off_when_interval_is_zero():
     assert not trimmer.enabled
     trimmer.stream_ended()  # no loop needed: nothing happens
     assert trimmer.trims == 0
+
+
+MMAP_PROBE = """
+import ctypes, sys
+import numpy as np
+from async_cosyvoice.heap import fix_mmap_threshold
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+big = np.ones(8 << 17)  # 8 MiB, mmapped; freeing it raises glibc's dynamic threshold to 8 MiB
+del big
+fixed = fix_mmap_threshold(1 << 20) if sys.argv[1] == "fix" else False
+before = libc.mallinfo2().hblks
+two_mib = np.ones(2 << 17)
+print(fixed, libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.parametrize("how, expected", [("fix", "True 1"), ("default", "False 0")])
+def test_fixed_mmap_threshold_keeps_big_buffers_out_of_the_arenas(how, expected):
+    """After an 8 MiB buffer is freed, glibc serves a 2 MiB one from its arenas (where freed
+    memory stays resident); with the threshold fixed at 1 MiB it gets its own mmap."""
+    if HeapTrimmer(1).enabled is False:
+        pytest.skip("libc has no malloc_trim (not glibc)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", MMAP_PROBE, how], capture_output=True, text=True, env=env,
+                         timeout=120, check=True).stdout.strip()
+    assert out == expected
