@@ -155,6 +155,11 @@ class ReplicaRouter:
         with self._assigned() as replica:
             return await replica.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
 
+    async def delete_speaker(self, speaker_id: str) -> None:
+        await self.replicas[0].synth.delete_speaker(speaker_id)  # the store is shared
+        for r in self.replicas[1:]:
+            r.synth.batcher.forget_speaker(speaker_id)
+
     def engine_stats(self) -> EngineStats:
         stats = [r.synth.engine_stats() for r in self.replicas]
         return EngineStats(running=sum(s.running for s in stats), waiting=sum(s.waiting for s in stats),
@@ -218,6 +223,10 @@ class Token2WavPool:
 
     def device_stats(self) -> list[DeviceStats]:
         return [DeviceStats(w.device, "token2wav", len(w.streams), w.served) for w in self.workers]
+
+    def forget_speaker(self, speaker_id: str) -> None:
+        for w in self.workers:
+            w.batcher.forget_speaker(speaker_id)
 
     async def close(self) -> None:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))

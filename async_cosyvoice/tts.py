@@ -231,6 +231,11 @@ class Synthesizer:
         await self._in_cpu(self.speakers.put, record, overwrite)
         return record
 
+    async def delete_speaker(self, speaker_id: str) -> None:
+        """Delete a stored speaker and drop what the flow cached for it (its prompt prefix)."""
+        await self._in_cpu(self.speakers.delete, speaker_id)
+        self.batcher.forget_speaker(speaker_id)
+
     # -- synthesis ------------------------------------------------------------------------------
 
     async def synthesize(self, request: SynthesisRequest, voice: Voice | None = None) -> AsyncIterator[AudioChunk]:

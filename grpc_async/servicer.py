@@ -458,8 +458,7 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
 
     async def DeleteSpeaker(self, request: pb2.DeleteSpeakerRequest, context) -> pb2.DeleteSpeakerResponse:
         async def body(call: _Call):
-            store = self._synth().speakers
-            await asyncio.to_thread(store.delete, request.speaker_id)
+            await self._synth().delete_speaker(request.speaker_id)
             return pb2.DeleteSpeakerResponse()
         return await self._unary("DeleteSpeaker", context, body, request.speaker_id)
 

@@ -214,6 +214,29 @@ def test_client_deadlines_are_counted_as_deadline_exceeded(server):
     assert after["CANCELLED"] - before["CANCELLED"] == 1  # the one cancelled with 59 s to spare
 
 
+def test_deleting_a_speaker_drops_its_cached_prompt_prefix(server):
+    """A streamed synthesis caches the speaker's flow prompt prefix (~2 MiB for a 2 s prompt on
+    the tiny model); DeleteSpeaker drops it instead of leaving it until the LRU budget (2 GiB)
+    evicts it, which on CPU is resident memory that churning speakers would fill."""
+    prefixes = server.server.synthesizer.batcher.runner.speaker_prefixes
+    rng = np.random.default_rng(5)
+    t = np.arange(32000) / 16000
+    prompt = (0.3 * np.sin(2 * np.pi * 200 * t) + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
+
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            before = len(prefixes)
+            await c.register_speaker("short_lived", "A prompt for a speaker that is deleted soon.",
+                                     (prompt, 16000), overwrite=True)
+            await collect(c.synthesize("Hello there, how are you?", speaker_id="short_lived", seed=1, stream=True,
+                                       max_tokens=80))
+            cached = len(prefixes) - before
+            await c.delete_speaker("short_lived")
+            return cached, len(prefixes) - before
+
+    assert asyncio.run(body()) == (1, 0)  # cached by the stream, dropped by the delete
+
+
 def test_concurrent_requests_with_the_same_request_id_are_independent(server):
     """request_id labels logs and the summary; two requests that share one (a client retrying,
     two clients choosing the same id) both run to the end, and cancelling one leaves the other."""
