@@ -190,7 +190,7 @@ def test_client_deadlines_are_counted_as_deadline_exceeded(server):
             async def one(i, timeout=None):
                 try:
                     await collect(c.synthesize(text, speaker_id="tiny_zs_spk", seed=i, stream=True, timeout=timeout,
-                                               **({} if timeout else {"max_tokens": 60})))
+                                               **({} if timeout else {"max_tokens": 30})))
                     return "OK"
                 except grpc.aio.AioRpcError as e:
                     return e.code().name
