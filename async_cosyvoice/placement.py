@@ -156,8 +156,8 @@ class ReplicaRouter:
             return await replica.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
 
     async def delete_speaker(self, speaker_id: str) -> None:
-        await self.replicas[0].synth.delete_speaker(speaker_id)  # the store is shared
-        for r in self.replicas[1:]:
+        await asyncio.to_thread(self.speakers.delete, speaker_id)  # one store for every replica
+        for r in self.replicas:  # stopped ones too: their caches still hold memory
             r.synth.batcher.forget_speaker(speaker_id)
 
     def engine_stats(self) -> EngineStats:
