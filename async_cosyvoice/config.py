@@ -118,6 +118,11 @@ class ServerConfig(_Section):
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # set: clients must present a certificate signed by it (mTLS)
     grace_seconds: float = 10.0
+    # malloc_trim at the end of a stream when the last one is this old (async_cosyvoice.heap); 0 = never
+    heap_trim_seconds: float = Field(10.0, ge=0)
+    # allocations of this size or more get their own mmap, freed at once (async_cosyvoice.heap,
+    # set by the server's entry point `run`); 0 = glibc's default (a threshold that rises)
+    heap_mmap_threshold_kib: int = Field(1024, ge=0, le=32 * 1024)
     # HTTP front door (http_api: OpenAI /v1/audio/speech, WebSocket, web page); None = off
     http_port: int | None = Field(None, ge=0, le=65535)
     served_model_name: str = "cosyvoice2"  # GET /v1/models; OpenAI's tts-1 etc. are accepted too

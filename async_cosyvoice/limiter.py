@@ -13,12 +13,14 @@ from .errors import Overloaded
 
 
 class StreamLimiter:
-    def __init__(self, max_streams: int, on_reject: Callable[[], None] | None = None):
+    def __init__(self, max_streams: int, on_reject: Callable[[], None] | None = None,
+                 on_release: Callable[[], None] | None = None):
         self.max_streams = max_streams
         self.active = 0
         self.idle = asyncio.Event()
         self.idle.set()
         self._on_reject = on_reject
+        self._on_release = on_release  # after each stream, e.g. HeapTrimmer.stream_ended
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -36,3 +38,5 @@ class StreamLimiter:
             self.active -= 1
             if not self.active:
                 self.idle.set()
+            if self._on_release is not None:
+                self._on_release()

@@ -156,6 +156,11 @@ class ReplicaRouter:
         with self._assigned() as replica:
             return await replica.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
 
+    async def delete_speaker(self, speaker_id: str) -> None:
+        await asyncio.to_thread(self.speakers.delete, speaker_id)  # one store for every replica
+        for r in self.replicas:  # stopped ones too: their caches still hold memory
+            r.synth.batcher.forget_speaker(speaker_id)
+
     def engine_stats(self) -> EngineStats:
         stats = [r.synth.engine_stats() for r in self.replicas]
         return EngineStats(running=sum(s.running for s in stats), waiting=sum(s.waiting for s in stats),
@@ -219,6 +224,10 @@ class Token2WavPool:
 
     def device_stats(self) -> list[DeviceStats]:
         return [DeviceStats(w.device, "token2wav", len(w.streams), w.served) for w in self.workers]
+
+    def forget_speaker(self, speaker_id: str) -> None:
+        for w in self.workers:
+            w.batcher.forget_speaker(speaker_id)
 
     async def close(self) -> None:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))

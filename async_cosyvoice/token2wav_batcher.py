@@ -238,6 +238,10 @@ class Token2WavBatcher:
         st.timeline.append(BatchRecord(index, lane, started, seconds, sum(flow_positions(p.job) for p in batch),
                                        left, jobs))
 
+    def forget_speaker(self, speaker_id: str) -> None:
+        """Drop a deleted speaker's cached prompt prefix (it would otherwise stay until evicted)."""
+        self.runner.speaker_prefixes.drop(speaker_id)
+
     async def close(self) -> None:
         if self.offline is not None:
             await self.offline.close()

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -137,6 +138,7 @@ class Synthesizer:
         self.ready = False
         self._cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend")
         self.warming = Warmup(config, speakers, self.sample_rate, max_tokens=min(40, self.rules.max_forced_tokens))
+        self._engine_serial = itertools.count()  # see _engine_request_id
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -243,6 +245,11 @@ class Synthesizer:
         if self.ready:  # its prompt length's first chunks captured now, not on its first request
             await self.warming.speaker(self.synthesize, speaker_id, record.voice.n_tokens)
         return record
+
+    async def delete_speaker(self, speaker_id: str) -> None:
+        """Delete a stored speaker and drop what the flow cached for it (its prompt prefix)."""
+        await self._in_cpu(self.speakers.delete, speaker_id)
+        self.batcher.forget_speaker(speaker_id)
 
     # -- synthesis ------------------------------------------------------------------------------
 
@@ -445,7 +452,7 @@ class Synthesizer:
     def _bistream_request(self, request: SynthesisRequest, model_input: ModelInput) -> BistreamRequest:
         opts = request.options
         return BistreamRequest(
-            request_id=f"{request.request_id}-0",
+            request_id=self._engine_request_id(request, 0),
             prompt_text_tokens=tuple(int(t) for t in model_input.prompt_text),
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             # the engine's own bound; the length rule proper is _length_rule
@@ -460,12 +467,18 @@ class Synthesizer:
         if forced:
             min_len = max_len = opts.max_tokens
         return GenerationRequest(
-            request_id=f"{request.request_id}-{segment}",
+            request_id=self._engine_request_id(request, segment),
             text_tokens=model_input.lm_text_tokens,
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             min_tokens=min(min_len, max_len), max_tokens=max(max_len, 1), ras=ras,
             seed=None if opts.seed is None else opts.seed + segment,
             ignore_stop_tokens=forced)
+
+    def _engine_request_id(self, request: SynthesisRequest, segment: int) -> str:
+        """The LM engine's id for one segment. The caller's request_id only labels logs and the
+        summary, so two syntheses may share it; the serial keeps their engine requests apart
+        (a duplicate engine id would be refused by the native engine and merged by vLLM's abort)."""
+        return f"{request.request_id}-{segment}.{next(self._engine_serial)}"
 
     def _ras(self, opts: SynthesisOptions) -> RASParams:
         ras = self.ras_params()

@@ -13,6 +13,10 @@ active streams and LM engine requests are printed.
 Against --target it registers (replacing) the speakers `soak_zs` and `soak_sft` and registers
 and deletes `soak-<n>` ones; use a test instance.
 
+Statuses are counted twice: as each client call ended, and as the server counted its RPCs
+(`cosyvoice_requests_total`, the difference over the run); a status the server ended an RPC with
+that is not in SERVER_EXPECTED is unexpected even if no client saw it.
+
 Exit status: 0 when there was no crash, no unexpected status, no leaked stream or engine request
 after the run, and resident memory after warm-up stayed within the bound (see `rss_verdict`);
 1 otherwise. `--json PATH` writes everything measured.
@@ -55,6 +59,10 @@ LONG_TEXT = ("This sentence is long enough to keep the engine busy for a while, 
 SYNTH_MODES = ("zero_shot", "cross_lingual", "instruct2", "sft", "zero_shot_by_spk_id",
                "instruct2_by_spk_id", "vc")
 SPEAKER_ZS, SPEAKER_SFT = "soak_zs", "soak_sft"
+# What the server may end an RPC with (its own view, from its metrics): a client's cancel or
+# deadline is CANCELLED / DEADLINE_EXCEEDED there; anything else (INTERNAL, UNKNOWN, UNAVAILABLE)
+# counts as unexpected even when the client never saw it (e.g. after it had gone away).
+SERVER_EXPECTED = (OK, CANCELLED, DEADLINE, "INVALID_ARGUMENT", "NOT_FOUND")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,15 +121,27 @@ class OwnServer:
         return self.proc.returncode
 
 
+def _metrics_page(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
 def read_metrics(url: str) -> dict[str, float]:
     """The unlabelled samples of a Prometheus text page (name -> value)."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
     out = {}
-    for line in text.splitlines():
+    for line in _metrics_page(url).splitlines():
         m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)", line)
         if m:
             out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def server_statuses(url: str) -> Counter[tuple[str, str]]:
+    """The server's own count of finished RPCs by (method, status): `cosyvoice_requests_total`."""
+    out: Counter[tuple[str, str]] = Counter()
+    for m in re.finditer(r'^cosyvoice_requests_total\{method="(\w+)",mode="[^"]*",status="(\w+)"\} (\S+)$',
+                         _metrics_page(url), re.M):
+        out[(m.group(1), m.group(2))] += int(float(m.group(3)))
     return out
 
 
@@ -311,6 +331,8 @@ class Soak:
             detail = ""
         except grpc.aio.AioRpcError as e:
             status, detail = e.code().name, e.details() or ""
+        except RuntimeError as e:  # a response without its final chunk, chunks out of order
+            status, detail = "INCOMPLETE", str(e)
         self.statuses[(step.kind, status)] += 1
         if status not in step.expect:
             self.unexpected.append((step.kind, status, detail))
@@ -388,6 +410,15 @@ def rss_verdict(samples: list[Sample], warmup: int, bound_mib: float, slope_boun
             "slope_bound_kib": slope_bound, "final_rss_mib": after[-1].rss_mib}
 
 
+def deadline_views(client: Counter[tuple[str, str]], server: Counter[tuple[str, str]]) -> dict:
+    """Synthesis RPCs that ended on a deadline as the client saw them and as the server counted
+    them. They agree but for races a client deadline cannot settle: the server finished the
+    response just as the client's deadline fired (client DEADLINE_EXCEEDED, server OK)."""
+    return {"client": sum(n for (kind, st), n in client.items() if st == DEADLINE),
+            "server": sum(n for (method, st), n in server.items()
+                          if st == DEADLINE and method in ("Synthesize", "StreamSynthesize"))}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=3000)
@@ -430,10 +461,13 @@ def main(argv: list[str] | None = None) -> int:
         soak = Soak(target, metrics, pid, args.concurrency, args.seed, args.prompt_seconds)
         asyncio.run(soak.setup())
         first = soak.sample()
+        server_before = server_statuses(metrics)
         print(f"start: RSS {first.rss_mib:.1f} MiB", flush=True)
         steps = plan(args.requests, args.seed, args.max_tokens_cap)
         asyncio.run(soak.run(steps, args.sample_every))
         last = soak.settle()
+        server_side = server_statuses(metrics) - server_before
+        server_unexpected = {f"{m} {st}": n for (m, st), n in sorted(server_side.items()) if st not in SERVER_EXPECTED}
         crashed = server is not None and server.proc.poll() is not None
         verdict = rss_verdict(soak.samples, warmup, args.rss_bound_mib, args.slope_bound_kib)
         leaked = {"active_streams": last.active_streams, "engine_running": last.engine_running,
@@ -443,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
             by_status[status] += n
         result = {"requests": soak.done, "seconds": time.perf_counter() - soak.t0, "warmup": warmup,
                   "by_status": dict(by_status), "by_kind": {f"{k} {s}": n for (k, s), n in sorted(soak.statuses.items())},
+                  "server_by_status": {f"{m} {st}": n for (m, st), n in sorted(server_side.items())},
+                  "server_unexpected": server_unexpected, "deadlines": deadline_views(soak.statuses, server_side),
                   "unexpected": soak.unexpected, "leaked": leaked, "crashed": crashed, "rss": verdict,
                   "samples": [asdict(s) for s in soak.samples]}
     except (grpc.aio.AioRpcError, OSError, TimeoutError, ConnectionError) as e:
@@ -462,10 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\nstatuses:", ", ".join(f"{k} {v}" for k, v in sorted(result["by_status"].items())))
     for k, n in result["by_kind"].items():
         print(f"  {k:45s} {n}")
-    print(f"unexpected: {len(result['unexpected'])}; crashed: {crashed}; after the run: {result['leaked']}")
+    print("server-side:", ", ".join(f"{k} {n}" for k, n in result["server_by_status"].items()))
+    print(f"deadlines (client vs server): {result['deadlines']}")
+    print(f"unexpected: {len(result['unexpected'])} (client), {result['server_unexpected'] or 0} (server); "
+          f"crashed: {crashed}; after the run: {result['leaked']}")
     v = result["rss"]
     print("RSS:", json.dumps(v))
-    failed = (crashed or result["unexpected"] or any(result["leaked"].values()) or not v["ok"]
+    failed = (crashed or result["unexpected"] or result["server_unexpected"] or any(result["leaked"].values()) or not v["ok"]
               or result.get("server_exit_code", 0) not in (0,))
     print("SOAK FAILED" if failed else "SOAK OK")
     return 1 if failed else 0

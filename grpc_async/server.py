@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import CosyVoiceError, ModelDirError
+from async_cosyvoice.heap import fix_mmap_threshold
 from async_cosyvoice.loop_thread import LoopThread
 from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.tts import Synthesizer
@@ -235,6 +236,7 @@ class CosyVoiceServer:
         if self._loader is not None:
             with contextlib.suppress(BaseException):
                 await self._loader
+        await self.servicer.heap.close()
         if self.servicer.synth is not None:
             await self.servicer.synth.close()
         self.metrics.close()
@@ -321,6 +323,8 @@ def run(config: Config) -> int:
     """Blocking entry point for `async-cosyvoice serve`; returns the process exit code."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # process-wide malloc policy, so it belongs to the process's entry point (see async_cosyvoice.heap)
+    fix_mmap_threshold(config.server.heap_mmap_threshold_kib * 1024)
     return asyncio.run(serve(config))
 
 

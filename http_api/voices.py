@@ -74,7 +74,7 @@ async def delete_voice(voice_id: str, request: Request):
     async def body(backend):
         synth = backend.synthesizer()
         speaker_id = validate_speaker_id(voice_id, "voice id")
-        await asyncio.to_thread(synth.speakers.delete, speaker_id)
+        await synth.delete_speaker(speaker_id)
         return {"id": speaker_id, "object": "voice", "deleted": True}
     return await _unary(request, "DELETE /v1/audio/voices", body, voice_id)
 

@@ -121,6 +121,17 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         assert [r.served - b for r, b in zip(router.replicas, before)] == [0, 2]
         assert router.ready and all(r.active == 0 for r in router.replicas)
 
+        # deleting the speaker drops its cached flow prompt prefix on every replica
+        def prefixes():
+            return [len(r.synth.batcher.runner.speaker_prefixes) for r in router.replicas]
+        assert prefixes() == [1, 1]  # both replicas streamed with it above
+
+        async def delete():
+            async with CosyVoiceClient(st.target) as client:
+                await client.delete_speaker("shared_voice")
+        st.call(delete(), timeout=60)
+        assert prefixes() == [0, 0]
+
 
 MODEL_CLASSES = (CosyVoice2LM, Flow, HiFT)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import urllib.error
 import urllib.request
+from collections import Counter
 
 import grpc
 import numpy as np
@@ -164,6 +166,100 @@ def test_metrics_port_serves_only_metrics(server):
         assert e.value.code == 404, path
     with urllib.request.urlopen(base + "/metrics?name[]=cosyvoice_ready", timeout=10) as r:
         assert r.read().decode().strip().endswith("cosyvoice_ready 1.0")
+
+
+def synthesis_statuses(server) -> Counter:
+    """The server's own count of finished Synthesize RPCs by status (its metrics port)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = Counter()
+    for m in re.finditer(r'^cosyvoice_requests_total\{method="Synthesize",mode="[^"]*",status="(\w+)"\} (\S+)$',
+                         text, re.M):
+        out[m.group(1)] += int(float(m.group(2)))
+    return out
+
+
+def test_client_deadlines_are_counted_as_deadline_exceeded(server):
+    """A client deadline reaches the server as a cancel, sometimes a few ms before the server's own
+    copy of the deadline (it is later by the request's one-way delay): that is still
+    DEADLINE_EXCEEDED in the server's log and metrics, and a plain cancel stays CANCELLED."""
+    text = "This sentence keeps the engine busy for a while, and then some more words follow. " * 2
+
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            async def one(i, timeout=None):
+                try:
+                    await collect(c.synthesize(text, speaker_id="tiny_zs_spk", seed=i, stream=True, timeout=timeout,
+                                               **({} if timeout else {"max_tokens": 30})))
+                    return "OK"
+                except grpc.aio.AioRpcError as e:
+                    return e.code().name
+
+            got = Counter()
+            for round_ in range(6):  # 4 deadlines at a time beside 2 requests that load the server
+                outcomes = await asyncio.gather(*(one(i, 0.05 + 0.06 * (i + round_)) for i in range(4)),
+                                                one(100), one(101))
+                got.update(outcomes[:4])
+            cancelled = c.synthesize(text, speaker_id="tiny_zs_spk", seed=1, stream=True, timeout=60)
+            await first_audio(cancelled)
+            await cancelled.aclose()
+            return got
+
+    before = synthesis_statuses(server)
+    client = asyncio.run(body())
+    server.call(server.server.servicer.idle.wait(), timeout=30)  # the cancelled handlers have unwound
+    after = synthesis_statuses(server)
+    assert client == {"DEADLINE_EXCEEDED": 24}, client
+    assert after["DEADLINE_EXCEEDED"] - before["DEADLINE_EXCEEDED"] == 24, (before, after)
+    assert after["CANCELLED"] - before["CANCELLED"] == 1  # the one cancelled with 59 s to spare
+
+
+def test_deleting_a_speaker_drops_its_cached_prompt_prefix(server):
+    """A streamed synthesis caches the speaker's flow prompt prefix (~2 MiB for a 2 s prompt on
+    the tiny model); DeleteSpeaker drops it instead of leaving it until the LRU budget (2 GiB)
+    evicts it, which on CPU is resident memory that churning speakers would fill."""
+    prefixes = server.server.synthesizer.batcher.runner.speaker_prefixes
+    rng = np.random.default_rng(5)
+    t = np.arange(32000) / 16000
+    prompt = (0.3 * np.sin(2 * np.pi * 200 * t) + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
+
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            before = len(prefixes)
+            await c.register_speaker("short_lived", "A prompt for a speaker that is deleted soon.",
+                                     (prompt, 16000), overwrite=True)
+            await collect(c.synthesize("Hello there, how are you?", speaker_id="short_lived", seed=1, stream=True,
+                                       max_tokens=80))
+            cached = len(prefixes) - before
+            await c.delete_speaker("short_lived")
+            return cached, len(prefixes) - before
+
+    assert asyncio.run(body()) == (1, 0)  # cached by the stream, dropped by the delete
+
+
+def test_concurrent_requests_with_the_same_request_id_are_independent(server):
+    """request_id labels logs and the summary; two requests that share one (a client retrying,
+    two clients choosing the same id) both run to the end, and cancelling one leaves the other."""
+    async def body():
+        async with CosyVoiceClient(server.target) as c:
+            def call(**opts):
+                return c.synthesize("Hello there, how are you?", speaker_id="tiny_zs_spk", seed=3, max_tokens=30,
+                                    request_id="same-id", **opts)
+
+            async def streamed():
+                return await collect(c.stream_synthesize(["Hello there, ", "how are you?"], speaker_id="tiny_zs_spk",
+                                                         seed=3, max_tokens=30, request_id="same-id", stream=True))
+
+            both = await asyncio.wait_for(asyncio.gather(collect(call(stream=True)), collect(call(stream=False)),
+                                                         streamed()), 120)
+            dropped, kept = call(stream=True), call(stream=True)
+            await first_audio(dropped)
+            await dropped.aclose()  # cancels that RPC while the other, same id, still runs
+            return both, await asyncio.wait_for(collect(kept), 120)
+
+    both, kept = asyncio.run(body())
+    for got in (*both, kept):
+        assert got.summary.request_id == "same-id" and got.summary.speech_tokens == 30
 
 
 # =============================================================================================

@@ -22,7 +22,7 @@ WARMUP = 80
 # (240), i.e. +20 MiB after warm-up. The bound, 96 MiB, leaves ~5x headroom for allocator noise
 # and still fails a leak of >= 0.6 MiB per request (a request's audio, mel or LM state kept
 # alive). Small per-request leaks need thousands of requests to see; the slope over a 3,000-
-# request run is checked by benchmarks/soak.py's default run (NOTES-robust.md), not here.
+# request run is checked by benchmarks/soak.py's default run (docs/robustness.md), not here.
 SOAK_ARGS = ["--requests", str(REQUESTS), "--warmup", str(WARMUP), "--concurrency", "4", "--sample-every", "20",
              "--max-tokens-cap", "12", "--prompt-seconds", "1.0", "--rss-bound-mib", "96",
              "--slope-bound-kib", "inf"]
@@ -40,6 +40,7 @@ def test_soak(tiny_dir, tmp_path):
     assert not result["crashed"], result.get("error")
     assert result["requests"] == REQUESTS
     assert result["unexpected"] == []
+    assert result["server_unexpected"] == {}  # the server's own count: nothing no client saw either
     assert result["leaked"] == {"active_streams": 0, "engine_running": 0, "engine_waiting": 0}
     assert result["server_exit_code"] == 0
     by_status = result["by_status"]
