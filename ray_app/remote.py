@@ -8,6 +8,7 @@ the request is retried on another replica; after the first chunk the caller gets
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -125,6 +126,11 @@ class RemoteSynthesizer:
             raise NotReady(f"the replica registering {speaker_id!r} died; retry") from e
         _tag(replica)
         return record
+
+    async def delete_speaker(self, speaker_id: str) -> None:
+        """From the shared store. A model replica's cached flow prefix of this speaker stays until its
+        LRU evicts it (prefixes are keyed by the prompt's tokens, so it is never served stale)."""
+        await asyncio.to_thread(self.speakers.delete, speaker_id)
 
     def engine_stats(self) -> EngineStats:
         return EngineStats()  # each model replica reports its own; the ingress runs no engine
