@@ -243,7 +243,7 @@ class Synthesizer:
         record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text))
         await self._in_cpu(self.speakers.put, record, overwrite)
         if self.ready:  # its prompt length's first chunks captured now, not on its first request
-            await self.warming.speaker(self.synthesize, speaker_id, record.voice.n_tokens)
+            await self.warming.registered(self.synthesize, speaker_id, record.voice.n_tokens)
         return record
 
     async def delete_speaker(self, speaker_id: str) -> None:

@@ -11,8 +11,9 @@ plus the first hop. So the warm-up
    `max_batch` (default: the smallest of limits.max_concurrent_streams, token2wav.max_batch and
    engine.max_num_seqs): every batch bucket of that prompt's first and final chunks, and every
    LLM decode batch size on the way.
-A speaker registered later gets step 2 before its registration returns (once per prompt length),
-so its first request is as fast as a warm one.
+A speaker registered while serving gets step 2 before its registration returns (once per prompt
+length), up to `register_max_batch` (8) streams: those requests run beside live traffic, so the
+larger batch buckets of a new prompt length are captured on first use (or at the next start).
 
 `use_compile_cache` points torch.compile's caches (inductor's FX graphs and Triton kernels) at
 a persistent folder, so a restart loads compiled code instead of compiling it again.
@@ -116,18 +117,26 @@ class Warmup:
         log.info("warm-up done in %.1f s (%d prompt lengths at up to %d streams)", time.monotonic() - t,
                  len(self.warmed), self.max_batch if self.coverage else 1)
 
-    async def speaker(self, synthesize, speaker_id: str, prompt_tokens: int) -> None:
-        """Short requests by this speaker at every batch size, once per prompt length."""
+    async def registered(self, synthesize, speaker_id: str, prompt_tokens: int) -> None:
+        """A speaker registered while serving: `speaker` up to warmup.register_max_batch streams."""
+        limit = min(self.max_batch, self.config.warmup.register_max_batch)
+        if limit > 0:
+            await self.speaker(synthesize, speaker_id, prompt_tokens, limit)
+
+    async def speaker(self, synthesize, speaker_id: str, prompt_tokens: int, max_batch: int | None = None) -> None:
+        """Short requests by this speaker at every batch size up to max_batch (default: all), once
+        per prompt length."""
         if not self.coverage or prompt_tokens in self.warmed:
             return
+        max_batch = max_batch or self.max_batch
         t = time.monotonic()
         def request() -> SynthesisRequest:  # each with its own request id
             return SynthesisRequest(Mode.ZERO_SHOT_BY_SPK_ID, text=WARM_TEXT, speaker_id=speaker_id,
                                     options=SynthesisOptions(stream=True, seed=0, max_tokens=self.max_tokens))
         done = []
-        for n in batch_sizes(self.max_batch):
+        for n in batch_sizes(max_batch):
             await asyncio.gather(*(drain(synthesize(request())) for _ in range(n)))
             done.append(n)
         self.warmed[prompt_tokens] = done
         log.info("warmed speaker %r (%d prompt tokens) at 1..%d streams in %.1f s", speaker_id, prompt_tokens,
-                 self.max_batch, time.monotonic() - t)
+                 max_batch, time.monotonic() - t)
