@@ -64,6 +64,9 @@ class Token2WavConfig(_Section):
     estimator: Literal["torch", "compiled", "onnxruntime", "tensorrt"] = "torch"
     batching: bool = True
     max_batch: int = Field(32, ge=1)
+    # at most this many flow positions (prompt + tokens, summed over a batch's jobs) per streaming batch,
+    # so a long render is split into batches that new first chunks can run between; None: no bound
+    max_batch_tokens: int | None = Field(None, ge=1)
     # jobs of one batch run the flow together when their lengths are within this ratio (padding <= 1 - 1/ratio)
     length_bucket_ratio: float = Field(1.5, ge=1)
     estimator_cache_dir: Path | None = None  # ONNX exports / TensorRT plans; None: ~/.cache/async_cosyvoice

@@ -82,7 +82,7 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
                if t2w.offline else None)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
-                            offline_wait_s=t2w.offline_wait_ms / 1000)
+                            offline_wait_s=t2w.offline_wait_ms / 1000, max_batch_tokens=t2w.max_batch_tokens)
 
 
 def default_text_mode(supports_bistream: bool) -> TextMode:

@@ -16,10 +16,12 @@ import pytest
 from conftest import next_job_upto
 import torch
 
+from async_cosyvoice.config import Config
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import NSFNoise
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from async_cosyvoice.token2wav_batcher import FIRST_LANE, Token2WavBatcher
+from async_cosyvoice.tts import token2wav_batcher
 
 torch.set_num_threads(1)
 
@@ -134,3 +136,10 @@ def test_max_batch_tokens_bounds_each_batch(runner, prompt):
     assert all(b.flow_positions == sum(PROMPT_TOKENS + HOP + 3 for _ in b.jobs) for b in batcher.stats.timeline)
     with pytest.raises(ValueError):
         Token2WavBatcher(runner, max_batch_tokens=0)
+
+
+def test_max_batch_tokens_comes_from_the_config(model_dir):
+    models = build_models(model_dir, device="cpu", with_llm=False)
+    bounded = Config.model_validate({"token2wav": {"max_batch_tokens": 900}})
+    assert token2wav_batcher(bounded, models, model_dir).max_batch_tokens == 900
+    assert token2wav_batcher(Config(), models, model_dir).max_batch_tokens is None  # the default: no bound
