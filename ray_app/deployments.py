@@ -8,6 +8,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from async_cosyvoice.config import Config
+from async_cosyvoice.heap import HeapTrimmer, fix_mmap_threshold
 from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.rules import RequestRules
 from async_cosyvoice.speaker_store import open_speaker_store
@@ -32,7 +33,12 @@ class CosyVoiceModel:
     """One Synthesizer per replica (its devices: the replica's `num_gpus`, `model.devices`)."""
 
     async def __init__(self, config_json: str):
-        self.synth = await create_synthesizer(Config.model_validate_json(config_json))
+        config = Config.model_validate_json(config_json)
+        # the replica's actor process is this deployment's own: its heap policy, as the server's
+        # entry point sets it (async_cosyvoice/heap.py)
+        fix_mmap_threshold(config.server.heap_mmap_threshold_kib * 1024)
+        self.heap = HeapTrimmer(config.server.heap_trim_seconds)
+        self.synth = await create_synthesizer(config)
         self.replica = serve.get_replica_context().replica_id.to_full_id_str()
 
     def describe(self) -> dict:
@@ -40,8 +46,11 @@ class CosyVoiceModel:
 
     async def synthesize(self, request: SynthesisRequest):
         yield ServedBy(self.replica)
-        async for chunk in self.synth.synthesize(request):
-            yield chunk
+        try:
+            async for chunk in self.synth.synthesize(request):
+                yield chunk
+        finally:
+            self.heap.stream_ended()
 
     async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio, overwrite: bool):
         record = await self.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
