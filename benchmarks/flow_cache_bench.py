@@ -27,7 +27,7 @@ from async_cosyvoice.flow_cache import speaker_prefix_tokens, state_nbytes
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.dims import FlowDims
 from async_cosyvoice.models.hift import NSFNoise
-from async_cosyvoice.random_model import is_random_model, make_random_model
+from async_cosyvoice.random_model import ensure_random_model
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 
 MB = 1 << 20
@@ -194,9 +194,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     model_dir = args.model_dir
     if args.random_preset:
-        if not is_random_model(args.random_dir, args.random_preset, 0):
-            make_random_model(args.random_preset, args.random_dir, seed=0, overwrite=True)
-        model_dir = args.random_dir
+        model_dir = ensure_random_model(args.random_preset, args.random_dir)
     device = torch.device(args.device)
     md = load_model_dir(model_dir)
     models = build_models(md, device=device, dtype=getattr(torch, args.dtype), with_llm=False)

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import NSFNoise
-from async_cosyvoice.random_model import is_random_model, make_random_model
+from async_cosyvoice.random_model import ensure_random_model
 
 
 def sync(device: torch.device) -> None:
@@ -51,9 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = args.model_dir
     if args.random_preset:
-        if not is_random_model(args.random_dir, args.random_preset, 0):
-            make_random_model(args.random_preset, args.random_dir, seed=0, overwrite=True)
-        model_dir = args.random_dir
+        model_dir = ensure_random_model(args.random_preset, args.random_dir)
     device = torch.device(args.device)
     hift = build_models(load_model_dir(model_dir), device=device, with_llm=False).hift
     mel = torch.randn(args.batch, 80, args.frames, generator=torch.Generator().manual_seed(0)).to(device) - 5

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.random_model import is_random_model, make_random_model
+from async_cosyvoice.random_model import ensure_random_model
 from cosyvoice_cli import bench
 
 
@@ -216,10 +216,7 @@ def main(argv=None) -> int:
     t_all = time.monotonic()
     model_dir = args.model_dir
     if args.random_preset:
-        if not is_random_model(args.random_dir, args.random_preset, 0):
-            log(f"writing a random {args.random_preset} model to {args.random_dir}")
-            make_random_model(args.random_preset, args.random_dir, seed=0, overwrite=True)
-        model_dir = args.random_dir
+        model_dir = ensure_random_model(args.random_preset, args.random_dir)
     with tempfile.TemporaryDirectory(prefix="offline-bench-spk-") as spk:
         config = make_config(args, model_dir, Path(spk))
         results = {"script": "benchmarks/offline_bench.py", "argv": sys.argv[1:] if argv is None else list(argv),

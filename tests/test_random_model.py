@@ -11,7 +11,7 @@ import torch
 
 from async_cosyvoice.model_dir import fold_weight_norm, load_model_dir, load_state_dict_file, model_dims_from_recipe
 from async_cosyvoice.models.dims import ModelDims
-from async_cosyvoice.random_model import PRESETS, is_random_model, make_random_model
+from async_cosyvoice.random_model import PRESETS, ensure_random_model, is_random_model, make_random_model
 from async_cosyvoice.random_model.recipe import recipe_yaml
 from async_cosyvoice.random_model.weights import flow_specs, hift_specs, llm_specs
 from async_cosyvoice.recipe import load_recipe
@@ -121,6 +121,11 @@ def test_seed_determinism_and_reuse(tiny, tmp_path):
     cfg.write_text(json.dumps(info))
     assert make_random_model("tiny", again, seed=0) == again and is_random_model(again, "tiny", 0)
     assert all(torch.equal(a, b) for a, b in zip(_raw(tiny, "flow").values(), _raw(again, "flow").values()))
+    # a benchmark's scratch folder: reused when it holds the asked (preset, seed), else replaced
+    mtime = (again / "llm.pt").stat().st_mtime_ns
+    assert ensure_random_model("tiny", again, seed=0) == again
+    assert (again / "llm.pt").stat().st_mtime_ns == mtime
+    assert ensure_random_model("tiny", again, seed=1) == again and is_random_model(again, "tiny", 1)
     with pytest.raises(ValueError, match="unknown preset"):
         make_random_model("huge", tmp_path / "x")
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp dirs left behind

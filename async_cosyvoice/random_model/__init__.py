@@ -17,7 +17,7 @@ some tokens after min_len) and its 6562 logit lowered (bistream raises on it, as
 flow's mels sit near -5 (a natural log-mel level), the F0 predictor outputs ~150 Hz (voiced source) and HiFT's log-magnitude channels start at log(0.05): the demo speaks
 quiet noise (around -40 dBFS), finite and unclipped.
 """
-from .make import GENERATOR_VERSION, is_random_model, make_random_model
+from .make import GENERATOR_VERSION, ensure_random_model, is_random_model, make_random_model
 from .presets import PRESETS, Preset
 
-__all__ = ["GENERATOR_VERSION", "PRESETS", "Preset", "is_random_model", "make_random_model"]
+__all__ = ["GENERATOR_VERSION", "PRESETS", "Preset", "ensure_random_model", "is_random_model", "make_random_model"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from .presets import PRESETS, Preset
 from .recipe import recipe_yaml
 from .tokenizer import write_blank_en
 from .weights import flow_specs, hift_specs, llm_state_dict, random_state_dict
+
+log = logging.getLogger(__name__)
 
 GENERATOR_VERSION = 3  # 3: the LM's 6562 logit pushed down (bistream)
 
@@ -74,3 +77,12 @@ def make_random_model(preset: str, out: str | Path, seed: int = 0, overwrite: bo
     with atomic_directory(out, finished=lambda p: not overwrite and is_random_model(p, preset, seed)) as tmp:
         _write(tmp, PRESETS[preset], seed)
     return out
+
+
+def ensure_random_model(preset: str, out: str | Path, seed: int = 0) -> Path:
+    """`out` holding this (preset, seed): reused when it already does, else written over whatever
+    is there (a scratch folder the benchmarks keep between runs)."""
+    if is_random_model(out, preset, seed):
+        return Path(out).expanduser().resolve()
+    log.warning("writing a random %s model (seed %d) to %s", preset, seed, out)
+    return make_random_model(preset, out, seed=seed, overwrite=True)
