@@ -86,6 +86,18 @@ class Token2WavConfig(_Section):
     offline_max_frames: int = Field(65536, ge=1)  # padded mel frames per call (items x longest prompt + target)
     offline_wait_ms: float = Field(10.0, ge=0)  # the oldest waits this long for others before a batch is taken
     offline_segments_ahead: int = Field(8, ge=1)  # a non-streaming request's text segments running at once
+    # the recomputing flow calls (flow_cache off; final and non-streaming calls) as one CUDA graph per
+    # (streams, tokens) bucket of at most flow_graph_max_tokens streams x tokens (flow_graphs.py); CUDA
+    # devices, estimator torch or compiled (inside the graph: the compiled module without its own graphs)
+    flow_graphs: bool = False
+    flow_graph_max_tokens: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _graphs_need_a_torch_estimator(self) -> "Token2WavConfig":
+        if self.flow_graphs and self.estimator not in ("torch", "compiled"):
+            raise ValueError(f"token2wav.flow_graphs needs estimator torch or compiled (a {self.estimator} session "
+                             "cannot run inside a CUDA graph); set flow_graphs: false")
+        return self
 
 
 class SpeakerConfig(_Section):

@@ -229,6 +229,9 @@ class Token2WavPool:
         for w in self.workers:
             w.batcher.forget_speaker(speaker_id)
 
+    async def capture_flow_graphs(self, max_streams: int, tokens: range) -> int:
+        return sum(await asyncio.gather(*(w.batcher.capture_flow_graphs(max_streams, tokens) for w in self.workers)))
+
     async def close(self) -> None:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))
 

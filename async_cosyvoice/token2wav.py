@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .flow_cache import SpeakerPrefixCache, chunk_floor, speaker_prefix_tokens
+from .flow_graphs import FlowGraphs
+from .models.flow.flow import Flow
 from .models.flow.prefix import FlowState, Geometry
 from .models.hift import HiFT, NSFNoise
 from .request import ChunkTiming
@@ -383,13 +385,15 @@ class Token2WavRunner:
     cache, with chunked attention and zero look-ahead. Not exact: upstream's final call uses full
     attention (every earlier frame sees the last tokens), so the final chunk's audio differs
     (measured on the tiny fixture: NOTES-flowcache.md). Off by default.
+    flow_graphs: runs the recomputing flow calls (flow_graphs.py: the whole call as one CUDA graph
+    per bucket, larger calls as before); None: `flow(…, estimator=estimator)`.
     """
 
     def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
                  estimator: Callable[..., Tensor] | None = None, length_bucket_ratio: float = 1.5,
                  max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 2 << 30,
-                 max_cached_tokens: int | None = None, chunked_final: bool = False):
-        from .models.flow.flow import Flow
+                 max_cached_tokens: int | None = None, chunked_final: bool = False,
+                 flow_graphs: FlowGraphs | None = None):
         if length_bucket_ratio < 1:
             raise ValueError(f"length_bucket_ratio must be >= 1, got {length_bucket_ratio}")
         if max_cached_tokens is not None and max_cached_tokens < 0:
@@ -407,6 +411,10 @@ class Token2WavRunner:
         self.speaker_prefixes = SpeakerPrefixCache(speaker_cache_bytes)
         self.max_cached_tokens = max_cached_tokens
         self.chunked_final = chunked_final
+        # the recomputing flow calls: whole-call CUDA graphs where a bucket fits, else the flow with the estimator
+        self._flow_call = (flow_graphs if flow_graphs is not None else
+                           functools.partial(flow, estimator=estimator) if self._batched_flow else None)
+        self.flow_graphs = flow_graphs
         if self.flow_cache and estimator is not None and getattr(estimator, "name", "torch") != "torch":
             log.info("flow state cache on: streaming chunks run the flow's PyTorch estimator against their cached "
                      "prefix; the %s estimator runs final and non-streaming calls (token2wav.flow_cache: false "
@@ -469,8 +477,8 @@ class Token2WavRunner:
         token_lens = torch.tensor([n - c for n, c in zip(lengths, contexts)])
         flags = [j.streaming for j in jobs]
         streaming = flags[0] if len(set(flags)) == 1 else torch.tensor(flags)
-        mel, mel_lens = flow(tokens, token_lens, torch.tensor(contexts), prompt_feat, feat_lens, embedding, streaming,
-                             estimator=self.estimator)
+        mel, mel_lens = self._flow_call(tokens, token_lens, torch.tensor(contexts), prompt_feat, feat_lens, embedding,
+                                        streaming)
         mel_lens = mel_lens.tolist()
         B = len(jobs)
         st = self.stats

@@ -147,6 +147,16 @@ class Token2WavBatcher:
             raise result
         return result
 
+    async def capture_flow_graphs(self, max_streams: int, tokens: range) -> int:
+        """Capture the whole-flow CUDA graphs (flow_graphs.py) of 1, 2, 4, … up to max_streams
+        streams x these token counts now, in the device thread; returns how many were new (0
+        without flow graphs)."""
+        graphs = self.runner.flow_graphs
+        if graphs is None:
+            return 0
+        streams = [b for b in graphs.stream_buckets if b <= max_streams] or [graphs.stream_buckets[0]]
+        return await self.run_on_device(graphs.warmup, streams, tokens, items=0)
+
     def _ensure_running(self) -> None:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:

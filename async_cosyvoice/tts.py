@@ -36,6 +36,7 @@ from .engine.base import (
 )
 from .errors import InvalidRequest, SpeakerExists, TextTimeout, Unsupported
 from .estimator import estimator_from_config
+from .flow_graphs import FlowGraphs
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
@@ -76,9 +77,18 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     """The token2wav stage of one device from the config: estimator, runner (flow cache), batcher."""
     t2w = config.token2wav
     estimator = estimator_from_config(t2w, models.flow, flow_pt=model_dir.path / "flow.pt")
+    graphs = None
+    if t2w.flow_graphs:
+        device = next(models.flow.parameters()).device
+        if device.type == "cuda":
+            graphs = FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens)
+        else:
+            log.info("token2wav.flow_graphs: CUDA graphs need a CUDA device; the flow on %s runs without them",
+                     device)
     runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
-                             max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final)
+                             max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final,
+                             flow_graphs=graphs)
     offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
                if t2w.offline else None)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
@@ -137,7 +147,8 @@ class Synthesizer:
         self.batcher = batcher
         self.ready = False
         self._cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend")
-        self.warming = Warmup(config, speakers, self.sample_rate, max_tokens=min(40, self.rules.max_forced_tokens))
+        self.warming = Warmup(config, speakers, self.sample_rate, max_tokens=min(40, self.rules.max_forced_tokens),
+                              capture=batcher.capture_flow_graphs)
         self._engine_serial = itertools.count()  # see _engine_request_id
 
     # -- construction ---------------------------------------------------------------------------

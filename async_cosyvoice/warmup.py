@@ -10,7 +10,9 @@ plus the first hop. So the warm-up
    lengths), runs short requests by that speaker at 1, 2, 4, … concurrent streams up to
    `max_batch` (default: the smallest of limits.max_concurrent_streams, token2wav.max_batch and
    engine.max_num_seqs): every batch bucket of that prompt's first and final chunks, and every
-   LLM decode batch size on the way.
+   LLM decode batch size on the way; then, with whole-flow CUDA graphs (token2wav.flow_graphs),
+   captures the flow graphs of that prompt length plus 1 .. `GRAPH_TARGET_TOKENS` target tokens
+   at the same stream counts (the later chunks' calls, which short requests do not reach).
 A speaker registered while serving gets step 2 before its registration returns (once per prompt
 length), up to `register_max_batch` (8) streams: those requests run beside live traffic, so the
 larger batch buckets of a new prompt length are captured on first use (or at the next start).
@@ -26,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WARM_TEXT = "Warm up."
+GRAPH_TARGET_TOKENS = 300  # target tokens (12 s of speech) a prompt length's flow graphs are captured for
 
 
 def compile_in_use(config: Config) -> bool:
@@ -87,6 +90,8 @@ class Warmup:
     speakers: SpeakerStoreBase
     sample_rate: int
     max_tokens: int                     # speech tokens per warm-up request (its first and final chunks)
+    # (max streams, flow token counts) -> graphs captured: the token2wav stage's capture_flow_graphs
+    capture: Callable[[int, range], Awaitable[int]] | None = None
     warmed: dict[int, list[int]] = field(default_factory=dict)  # prompt length (speech tokens) -> batch sizes run
 
     @property
@@ -137,6 +142,9 @@ class Warmup:
         for n in batch_sizes(max_batch):
             await asyncio.gather(*(drain(synthesize(request())) for _ in range(n)))
             done.append(n)
+        graphs = 0
+        if self.capture is not None:  # steps of 16 tokens: every length bucket (>= 32 tokens wide) once
+            graphs = await self.capture(max_batch, range(prompt_tokens + 1, prompt_tokens + GRAPH_TARGET_TOKENS + 1, 16))
         self.warmed[prompt_tokens] = done
-        log.info("warmed speaker %r (%d prompt tokens) at 1..%d streams in %.1f s", speaker_id, prompt_tokens,
-                 max_batch, time.monotonic() - t)
+        log.info("warmed speaker %r (%d prompt tokens) at 1..%d streams in %.1f s (%d flow graphs captured)",
+                 speaker_id, prompt_tokens, max_batch, time.monotonic() - t, graphs)

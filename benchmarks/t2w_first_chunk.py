@@ -4,7 +4,9 @@ set-up asked for (`--setups`):
 
 - `eager`: the flow's PyTorch estimator, recomputing the prefix (flow_cache off);
 - `compiled`: the compiled estimator with CUDA graphs per (batch, length) bucket (recomputing);
-- `cache`: the exact flow cache (the flow's eager PyTorch module on new frames only).
+- `cache`: the exact flow cache (the flow's eager PyTorch module on new frames only);
+- `graphs`: the compiled estimator with the whole flow call as one CUDA graph per (streams, tokens)
+  bucket (flow_graphs.py; recomputing).
 
 Kernel launches are counted from a torch.profiler trace of one first chunk (flow + HiFT): runtime
 calls `cudaLaunchKernel*` / `cuLaunchKernel*` (one kernel each) and `cudaGraphLaunch` (one captured
@@ -23,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from async_cosyvoice.estimator import make_estimator
+from async_cosyvoice.flow_graphs import FlowGraphs
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import NSFNoise
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
@@ -49,7 +52,9 @@ def launches(fn, device: str) -> dict:
 
 def measure(models, setup: str, args) -> dict:
     estimator = None if setup == "cache" else make_estimator("torch" if setup == "eager" else "compiled", models.flow)
-    runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, flow_cache=setup == "cache")
+    graphs = FlowGraphs(models.flow, estimator.capturable, estimator) if setup == "graphs" else None
+    runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, flow_cache=setup == "cache",
+                             flow_graphs=graphs)
     g = torch.Generator().manual_seed(0)
     prompt_token = torch.randint(0, 6561, (1, args.prompt_tokens), generator=g, dtype=torch.int32)
     prompt_feat = torch.randn(1, 2 * args.prompt_tokens, 80, generator=g)
@@ -127,8 +132,8 @@ if __name__ == "__main__":
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--tokens", type=int, default=120)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--setups", nargs="+", default=["eager", "compiled", "cache"],
-                    choices=["eager", "compiled", "cache"])
+    ap.add_argument("--setups", nargs="+", default=["eager", "compiled", "cache", "graphs"],
+                    choices=["eager", "compiled", "cache", "graphs"])
     ap.add_argument("--profile-table", action="store_true", help="print each set-up's profiler table")
     ap.add_argument("--json", help="write the results here")
     main(ap.parse_args())

@@ -1,5 +1,6 @@
 """Warm-up coverage: registered speakers' prompt lengths at every batch size, before SERVING and
 on registration; torch.compile's cache folder."""
+import asyncio
 import os
 
 import pytest
@@ -7,8 +8,9 @@ import pytest
 from async_cosyvoice.config import Config
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.request import Audio
+from async_cosyvoice.speakers import SpeakerStore
 from async_cosyvoice.tts import SyncSynthesizer
-from async_cosyvoice.warmup import batch_sizes, compile_in_use, use_compile_cache
+from async_cosyvoice.warmup import GRAPH_TARGET_TOKENS, Warmup, batch_sizes, compile_in_use, use_compile_cache
 
 TRANSCRIPT = "The morning train was late again."
 
@@ -58,3 +60,27 @@ def test_compile_cache_folder(tmp_path, monkeypatch):
 ])
 def test_compile_in_use(overrides, expected):
     assert compile_in_use(Config.model_validate(overrides)) is expected
+
+
+def test_flow_graphs_of_a_prompt_length_are_captured_after_its_requests(tmp_path):
+    """With whole-flow graphs the warm-up also captures the later chunks' flow calls, which short
+    requests do not reach: prompt + 1 .. GRAPH_TARGET_TOKENS tokens, at the warmed stream counts."""
+    events = []
+
+    async def synthesize(request):
+        events.append(("request", request.speaker_id))
+        return
+        yield
+
+    async def capture(max_streams, tokens):
+        events.append(("capture", max_streams, tokens))
+        return 7
+
+    config = Config.model_validate({"warmup": {"coverage": True, "max_batch": 4}})
+    warm = Warmup(config, SpeakerStore(tmp_path), 24000, max_tokens=40, capture=capture)
+    asyncio.run(warm.speaker(synthesize, "alice", 150))
+    assert events[:-1] == [("request", "alice")] * 7  # 1 + 2 + 4 streams first
+    kind, streams, tokens = events[-1]
+    assert (kind, streams) == ("capture", 4)
+    assert tokens[0] == 151 and tokens[-1] >= 150 + GRAPH_TARGET_TOKENS - 16 and tokens.step <= 16
+    assert warm.warmed == {150: [1, 2, 4]}

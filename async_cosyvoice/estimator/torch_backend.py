@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from ..cuda_graph import CapturedCall
 from .base import streaming_rows
 
 log = logging.getLogger(__name__)
@@ -63,37 +64,18 @@ class TorchEstimator:
     def __call__(self, x, mask, mu, t, spks, cond, streaming: bool | Tensor = False) -> Tensor:
         return self.module(x, mask, mu, t, spks, cond, streaming)
 
+    capturable = __call__  # what a caller capturing a larger CUDA graph runs (flow_graphs.py)
 
-class _Graph:
-    """One captured estimator call at a fixed (batch, length): static inputs, a graph, a static output."""
 
-    def __init__(self, fn, batch: int, frames: int, channels: int, spk_channels: int, dtype: torch.dtype,
-                 device: torch.device, pool):
-        def zeros(*shape, dt=dtype):
-            return torch.zeros(*shape, dtype=dt, device=device)
-        self.batch, self.frames = batch, frames
-        self.inputs = dict(x=zeros(batch, channels, frames), mask=zeros(batch, 1, frames),
-                           mu=zeros(batch, channels, frames), t=zeros(batch), spks=zeros(batch, spk_channels),
-                           cond=zeros(batch, channels, frames), streaming=zeros(batch, dt=torch.bool))
-        # warm up (compiles, autotunes, initialises lazy state) on a side stream, then capture
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn(**self.inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.out = fn(**self.inputs)
-
-    def __call__(self, **inputs: Tensor) -> Tensor:
-        B, T = inputs["x"].shape[0], inputs["x"].shape[-1]
-        for name, value in inputs.items():
-            buf = self.inputs[name]
-            buf.zero_()
-            buf[(slice(0, B),) + tuple(slice(0, n) for n in value.shape[1:])].copy_(value)
-        self.graph.replay()
-        return self.out[:B, :, :T].clone()  # the next replay (of any graph in the pool) overwrites out
+def _capture(fn, batch: int, frames: int, channels: int, spk_channels: int, dtype: torch.dtype,
+             device: torch.device, pool) -> CapturedCall:
+    """One estimator call captured at a fixed (batch, length)."""
+    def zeros(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt, device=device)
+    inputs = dict(x=zeros(batch, channels, frames), mask=zeros(batch, 1, frames), mu=zeros(batch, channels, frames),
+                  t=zeros(batch), spks=zeros(batch, spk_channels), cond=zeros(batch, channels, frames),
+                  streaming=zeros(batch, dt=torch.bool))
+    return CapturedCall(fn, inputs, device, pool)
 
 
 class CompiledEstimator:
@@ -116,7 +98,7 @@ class CompiledEstimator:
         self.batch_buckets = tuple(sorted(batch_buckets))
         self.min_length_step = min_length_step
         self.max_graphs = max_graphs
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int], CapturedCall] = {}
         self._pool = None
         self._noted: set[str] = set()
         if compile:
@@ -145,6 +127,12 @@ class CompiledEstimator:
                         type(e).__name__, e)
             self._fn, self._compiled = self.module, False
             return self._fn(**inputs)
+
+    def capturable(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
+                   streaming: bool | Tensor = False) -> Tensor:
+        """The compiled module without this estimator's own graphs: what a caller capturing a larger
+        CUDA graph runs (flow_graphs.py; graphs cannot nest)."""
+        return self._run(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, streaming=streaming)
 
     @torch.inference_mode()
     def warmup(self, batches: Sequence[int], frames: Sequence[int]) -> None:
@@ -175,10 +163,11 @@ class CompiledEstimator:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 log.info("capturing the flow estimator CUDA graph for batch %d x %d frames", Bb, Tb)
-                graph = self._graphs[(Bb, Tb)] = _Graph(self._run, Bb, Tb, C, spks.shape[1], self.dtype,
-                                                        self.device, self._pool)
+                graph = self._graphs[(Bb, Tb)] = _capture(self._run, Bb, Tb, C, spks.shape[1], self.dtype,
+                                                          self.device, self._pool)
             if graph is not None:
-                return graph(**inputs).to(x.dtype)
+                # clone: the next replay (of any graph in the pool) overwrites the output
+                return graph(**inputs)[:B, :, :T].clone().to(x.dtype)
             self._note("graphs", "%d estimator CUDA graphs captured (max_graphs): new shapes run without a graph",
                        len(self._graphs))
         # pad without a graph (CPU, or past max_graphs): the same numbers a graph would see

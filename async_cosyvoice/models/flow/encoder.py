@@ -163,15 +163,18 @@ class UpsampleConformerEncoder(nn.Module):
         lengths: Tensor,
         context_lengths: Tensor | None = None,
         streaming: bool | Tensor = False,
+        n_tokens: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """xs (B, S, input_size) token embeddings; lengths (B,) tokens to render; context_lengths (B,)
         look-ahead tokens right after them (0 = final call: zeros instead). streaming: bool or (B,)
-        bool, chunk masks of static_chunk_size tokens / ×stride frames from position 0.
+        bool, chunk masks of static_chunk_size tokens / ×stride frames from position 0. n_tokens:
+        T, at least max(lengths) (the frames past every item are padding); None: max(lengths), read
+        from the device.
 
-        Returns (B, stride·T, output_size) with T = max(lengths), zero past each item, and stride·lengths.
+        Returns (B, stride·T, output_size), zero past each item, and stride·lengths.
         """
         dims = self.dims
-        T = int(lengths.max())
+        T = int(lengths.max()) if n_tokens is None else n_tokens
         seen = lengths if context_lengths is None else lengths + context_lengths
 
         # Frames past an item's tokens (+ context) must be exact zeros: that is the final call's

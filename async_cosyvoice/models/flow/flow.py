@@ -36,15 +36,18 @@ class Flow(nn.Module):
         streaming: bool | Tensor = False,
         estimator: Estimator | None = None,
         trace: dict | None = None,
+        n_tokens: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Batched flow over whole sequences (prompt + target), right-padded.
 
         tokens (B, S): item b renders its first token_lens[b] tokens; the context_lens[b] after them
         are look-ahead only (0 = final call). prompt_feat (B, F, 80) with prompt_feat_lens[b] valid
         frames becomes the cond of the first frames. embedding (B, 192). streaming: bool or (B,) bool.
+        n_tokens: render this many token positions (>= max(token_lens); the rest is padding, which
+        changes no item's frames); None: max(token_lens). With it, the call never waits for the device.
 
-        Returns mel (B, 80, T) float32 including the prompt frames, and the per-item frame counts
-        token_mel_ratio · token_lens.
+        Returns mel (B, 80, T) float32 including the prompt frames, T = token_mel_ratio · n_tokens,
+        and the per-item frame counts token_mel_ratio · token_lens.
         """
         dtype, device = self.input_embedding.weight.dtype, self.input_embedding.weight.device
         tokens, token_lens, context_lens = tokens.to(device), token_lens.to(device), context_lens.to(device)
@@ -54,7 +57,7 @@ class Flow(nn.Module):
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device).float(), dim=1).to(dtype))
         seen = length_mask(token_lens + context_lens, tokens.size(1)).unsqueeze(-1)
         x = self.input_embedding(tokens.clamp(min=0).long()) * seen.to(dtype)
-        h, mel_lens = self.encoder(x, token_lens, context_lens, streaming)
+        h, mel_lens = self.encoder(x, token_lens, context_lens, streaming, n_tokens)
         mu = self.encoder_proj(h).transpose(1, 2)
 
         B, C, T = mu.shape

@@ -1,0 +1,40 @@
+"""One function captured as a CUDA graph at fixed input shapes: the flow estimator's buckets
+(estimator/torch_backend.py) and the whole flow call's (flow_graphs.py) are both this.
+
+The inputs are static buffers. A call zeroes each buffer, copies its argument into the leading
+corner (an argument may be smaller than its buffer in every dimension: that is the padding),
+replays the graph and returns its static outputs, which the next replay of any graph of the same
+memory pool overwrites: callers copy out what they keep before that.
+
+Capture follows PyTorch's recipe: two runs on a side stream first (they compile, autotune and fill
+lazy caches, none of which may happen inside a capture), then the capture, in `thread_local` mode
+so that another thread's CUDA work (the LLM engine's) does not invalidate it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+
+class CapturedCall:
+    def __init__(self, fn: Callable[..., Any], inputs: dict[str, Tensor], device: torch.device, pool=None):
+        self.inputs = inputs
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(**inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.out = fn(**inputs)
+
+    def __call__(self, **inputs: Tensor) -> Any:
+        for name, value in inputs.items():
+            buf = self.inputs[name]
+            buf.zero_()
+            buf[tuple(slice(0, n) for n in value.shape)].copy_(value)
+        self.graph.replay()
+        return self.out
