@@ -28,6 +28,8 @@ Steps (each timed; the results say how long):
 8. the server is stopped (SIGINT, then SIGKILL after 30 s);
 9. restart: the same server started again (same speaker store, same torch.compile cache): time to
    SERVING, its first request (the registered speaker is warmed at start-up) and three warm ones.
+Steps 3-8 (`server_config`, `run_server`, `measure_server`) are also the per-setup code of
+benchmarks/multi_gpu_server_bench.py.
 Every level reports the server's own stage counters (LLM steps, token2wav batches: busy
 seconds, calls, items) read from its Prometheus endpoint before and after.
 A wall-clock budget (--budget-s, default 560 s) keeps the run inside one 10-minute device call:
@@ -71,26 +73,26 @@ QUICK = dict(levels=[1, 2], requests={1: 2, 2: 2}, tokens=20, prompt_seconds=1.0
 RESERVE = {"llm": 330.0, "server": 200.0, "sweep": 90.0, "capacity": 10.0}
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_server_arguments(ap: argparse.ArgumentParser, out_default: str, budget_s: float | None,
+                         levels: list[int]) -> None:
+    """The options of a through-the-server run (shared with multi_gpu_server_bench.py)."""
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "gpu.yaml")
     ap.add_argument("--preset", default="cosyvoice2-0.5b", help="make_random_model preset")
     ap.add_argument("--model-dir", type=Path, help="use this model directory instead of generating one")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/h200-server")))
-    ap.add_argument("--baseline-tree", type=Path, help="another checkout: LLM ms/step there too (before/after)")
-    ap.add_argument("--llm-batches", help="comma list of LLM decode batch sizes (default 1,32,128; quick: none)")
-    ap.add_argument("--llm-compile", action="store_true", help="also time the LLM with torch.compile")
-    ap.add_argument("--levels", help="closed-loop levels (default 1,4,16,32,64)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", out_default)))
+    ap.add_argument("--levels", help=f"closed-loop levels (default {','.join(map(str, levels))})")
     ap.add_argument("--tokens", type=int, help="forced tokens per request (default 250)")
     ap.add_argument("--start-rate", type=float)
     ap.add_argument("--duration", type=float, help="seconds of arrivals per capacity trial (default 20)")
     ap.add_argument("--max-level-seconds", type=float)
-    ap.add_argument("--budget-s", type=float, default=560.0)
-    ap.add_argument("--skip", default="", help="comma list of phases to skip: llm,sweep,capacity,restart")
+    ap.add_argument("--budget-s", type=float, default=budget_s)
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, small workload")
-    args = ap.parse_args(argv)
-    plan = dict(QUICK if args.quick else FULL)
+
+
+def make_plan(args, full: dict, quick: dict) -> dict:
+    """`full` or (--quick) `quick`, with the workload options given on the command line."""
+    plan = dict(quick if args.quick else full)
     if args.quick and args.preset == "cosyvoice2-0.5b":
         args.preset = "tiny"
     for key, value in (("tokens", args.tokens), ("start_rate", args.start_rate), ("duration_s", args.duration),
@@ -100,6 +102,23 @@ def parse_args(argv=None):
     if args.levels:
         plan["levels"] = bench.parse_int_list(args.levels)
         plan["requests"] = {c: max(4, 2 * c) for c in plan["levels"]}
+    return plan
+
+
+def plan_json(plan: dict) -> dict:
+    """The plan as JSON has it (the requests per level keyed by strings)."""
+    return {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()}) for k, v in plan.items()}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_server_arguments(ap, "runs/h200-server", budget_s=560.0, levels=FULL["levels"])
+    ap.add_argument("--baseline-tree", type=Path, help="another checkout: LLM ms/step there too (before/after)")
+    ap.add_argument("--llm-batches", help="comma list of LLM decode batch sizes (default 1,32,128; quick: none)")
+    ap.add_argument("--llm-compile", action="store_true", help="also time the LLM with torch.compile")
+    ap.add_argument("--skip", default="", help="comma list of phases to skip: llm,sweep,capacity,restart")
+    args = ap.parse_args(argv)
+    plan = make_plan(args, FULL, QUICK)
     if args.llm_batches is not None:
         plan["llm_batches"] = bench.parse_int_list(args.llm_batches) if args.llm_batches else []
     return args, plan
@@ -115,8 +134,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_config(args, model_dir: Path, speakers_dir: Path) -> Config:
-    """--config with the model, a scratch speaker store and free local ports; CPU settings for --quick."""
+def format_error(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def server_config(args, model_dir: Path, speakers_dir: Path, **sections: dict) -> Config:
+    """--config with the model, a scratch speaker store and free local ports; CPU settings for --quick;
+    then `sections` (e.g. model={"devices": [...]}) update the config's sections of those names."""
     data = yaml.safe_load(args.config.read_text()) or {}
     data.setdefault("model", {})["dir"] = str(model_dir)
     data.setdefault("speakers", {})["dir"] = str(speakers_dir)
@@ -125,7 +149,17 @@ def server_config(args, model_dir: Path, speakers_dir: Path) -> Config:
         data["model"].update(device="cpu", llm_dtype="float32", flow_dtype="float32")
         data.setdefault("engine", {}).update(cuda_graphs=False, compile=False, max_num_seqs=8, max_model_len=512)
         data.setdefault("token2wav", {}).update(estimator="torch")
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
     return Config.model_validate(data)
+
+
+def bench_model_dir(args) -> Path:
+    """--model-dir, else the random model of --preset/--seed in a scratch folder (reused when it is there)."""
+    if args.model_dir:
+        return args.model_dir
+    scratch = Path(tempfile.gettempdir()) / "async_cosyvoice_bench" / f"{args.preset}-seed{args.seed}"
+    return make_random_model(args.preset, scratch, seed=args.seed)
 
 
 # -- 1. LLM decode, this tree and the baseline ------------------------------------------------
@@ -235,14 +269,38 @@ class ServerProcess:
         return ""
 
 
-async def measure_server(args, plan: dict, server: ServerProcess, results: dict, phases: dict, deadline: float) -> None:
+def run_server(config: Config, workdir: Path, log_path: Path, measure, results: dict,
+               error_key: str = "server") -> tuple[int | None, str]:
+    """Start a server from `config`, run the coroutine `measure(server)` against it, stop it. A failure
+    (e.g. the server never came up) is recorded in results["phase_errors"][error_key], so what was
+    measured is kept. Returns the server's exit status and the last 200 lines of its log; the log
+    file itself is removed (it can be large)."""
+    server = ServerProcess(config, workdir, log_path)
+    server.start()
+    try:
+        asyncio.run(measure(server))
+    except Exception as e:
+        results.setdefault("phase_errors", {})[error_key] = format_error(e)
+        log(f"{error_key} failed: {type(e).__name__}: {e}")
+    finally:
+        returncode = server.stop()
+        tail = server.log_tail(200)
+        with contextlib.suppress(OSError):
+            log_path.unlink()
+    return returncode, tail
+
+
+async def measure_server(plan: dict, server: ServerProcess, results: dict, phases: dict, deadline: float, *,
+                         seed: int = 0, skip: frozenset = frozenset(), reserve: dict = RESERVE) -> None:
+    """One started server: wait for SERVING, register the speaker, the first request, then the phases
+    warmup, sweep (plan["levels"]) and capacity, each skipped when in `skip` or when less than
+    reserve[phase] seconds would be left before `deadline` (monotonic) once it starts."""
     progress = bench.Progress()
-    skip = {s for s in args.skip.split(",") if s}
     skipped = results.setdefault("skipped", [])
     errors = results.setdefault("phase_errors", {})
 
     def time_left(phase: str) -> float:
-        return deadline - time.monotonic() - (0.0 if args.quick else RESERVE.get(phase, 0.0))
+        return deadline - time.monotonic() - reserve.get(phase, 0.0)
 
     async def run_phase(name: str, coro_fn) -> None:
         if name in skip:
@@ -256,7 +314,7 @@ async def measure_server(args, plan: dict, server: ServerProcess, results: dict,
         try:
             await coro_fn()
         except Exception as e:  # keep what the other phases measure
-            errors[name] = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            errors[name] = format_error(e)
             log(f"{name} failed: {type(e).__name__}: {e}")
         phases[f"{name}_s"] = time.monotonic() - t
 
@@ -265,10 +323,10 @@ async def measure_server(args, plan: dict, server: ServerProcess, results: dict,
         await server.wait_serving(client, plan["ready_timeout_s"])
         phases["server_start_s"] = time.monotonic() - server.started
         log(f"server SERVING {phases['server_start_s']:.1f} s after spawn")
-        speaker = bench.SpeakerSpec(prompt_seconds=plan["prompt_seconds"], seed=args.seed)
+        speaker = bench.SpeakerSpec(prompt_seconds=plan["prompt_seconds"], seed=seed)
         results["meta"]["prompt_seconds"] = await bench.register_grpc(client, speaker)
         target = bench.GrpcTarget(client)
-        workload = bench.Workload(tokens=plan["tokens"], seed=args.seed, speaker_id=speaker.speaker_id)
+        workload = bench.Workload(tokens=plan["tokens"], seed=seed, speaker_id=speaker.speaker_id)
         results["meta"]["workload"] = workload.to_json()
 
         cold = await bench.run_level(target, workload, 1, 1, detail=True, label="first request after SERVING")
@@ -365,13 +423,12 @@ def main(argv=None) -> int:
     phases: dict = {}
     results: dict = {"title": "async_cosyvoice through gRPC", "meta": {
         "script": "benchmarks/h200_server_bench.py", "argv": sys.argv[1:] if argv is None else list(argv),
-        "quick": args.quick, "plan": {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
-                                       for k, v in plan.items()},
+        "quick": args.quick, "plan": plan_json(plan),
         "environment": bench.environment("cpu" if args.quick else "cuda"), "phases": phases}}
     gpu = results["meta"]["environment"].get("gpu")
     if gpu:
         results["title"] = f"async_cosyvoice on {gpu}, through gRPC"
-    skip = {s for s in args.skip.split(",") if s}
+    skip = frozenset(s for s in args.skip.split(",") if s)
 
     if plan["llm_batches"] and "llm" not in skip:
         t = time.monotonic()
@@ -393,48 +450,30 @@ def main(argv=None) -> int:
         phases["llm_s"] = time.monotonic() - t
 
     t = time.monotonic()
-    model_dir = args.model_dir or (Path(tempfile.gettempdir()) / "async_cosyvoice_bench" / f"{args.preset}-seed{args.seed}")
-    if not args.model_dir:
-        model_dir = make_random_model(args.preset, model_dir, seed=args.seed)
+    model_dir = bench_model_dir(args)
     phases["model_s"] = time.monotonic() - t
     log(f"model {model_dir} ready in {phases['model_s']:.1f} s")
 
     with tempfile.TemporaryDirectory(prefix="server-bench-") as scratch:
         config = server_config(args, model_dir, Path(scratch) / "spk")
         results["meta"]["config"] = config.model_dump(mode="json")
-        server = ServerProcess(config, Path(scratch), args.out / "server.log")
-        server.start()
-        try:
-            asyncio.run(measure_server(args, plan, server, results, phases, deadline))
-        except Exception as e:  # e.g. the server never came up: still write what there is
-            results.setdefault("phase_errors", {})["server"] = "".join(
-                traceback.format_exception(type(e), e, e.__traceback__))
-            log(f"failed: {type(e).__name__}: {e}")
-        finally:
-            results["meta"]["server_returncode"] = server.stop()
-            (args.out / "server_log_tail.txt").write_text(server.log_tail(200) + "\n", encoding="utf-8")
-            with contextlib.suppress(OSError):
-                (args.out / "server.log").unlink()  # the tail is kept; the whole log can be large
+        log_path = args.out / "server.log"
+        reserve = {} if args.quick else RESERVE
+        results["meta"]["server_returncode"], tail = run_server(
+            config, Path(scratch), log_path, lambda server: measure_server(
+                plan, server, results, phases, deadline, seed=args.seed, skip=skip, reserve=reserve), results)
+        (args.out / "server_log_tail.txt").write_text(tail + "\n", encoding="utf-8")
         if "restart" in skip or "workload" not in results["meta"]:
             results.setdefault("skipped", []).append("restart")
         elif deadline - time.monotonic() < plan["restart_s"]:
             results.setdefault("skipped", []).append("restart")
             log("out of time budget: skipping restart")
         else:
-            again = ServerProcess(config, Path(scratch), args.out / "server.log")
-            again.start()
             workload = bench.Workload(**results["meta"]["workload"])
-            try:
-                asyncio.run(measure_restart(plan, again, results, phases, workload))
-            except Exception as e:
-                results.setdefault("phase_errors", {})["restart"] = "".join(
-                    traceback.format_exception(type(e), e, e.__traceback__))
-                log(f"restart failed: {type(e).__name__}: {e}")
-            finally:
-                again.stop()
-                (args.out / "restart_log_tail.txt").write_text(again.log_tail(60) + "\n", encoding="utf-8")
-                with contextlib.suppress(OSError):
-                    (args.out / "server.log").unlink()
+            _, tail = run_server(config, Path(scratch), log_path, lambda server: measure_restart(
+                plan, server, results, phases, workload), results, "restart")
+            (args.out / "restart_log_tail.txt").write_text("\n".join(tail.splitlines()[-60:]) + "\n",
+                                                           encoding="utf-8")
     phases["total_s"] = time.monotonic() - t_all
     results["summary"] = summary_rows(results)
     path = bench.write_json(results, args.out / "server_results.json")

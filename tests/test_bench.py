@@ -314,15 +314,20 @@ def test_capacity_criteria_reasons():
     assert len(bench.poisson_arrivals(4.0, 100.0, seed=1)) == pytest.approx(400, rel=0.15)
 
 
-@pytest.mark.slow
-def test_h200_script_quick_on_cpu(tmp_path):
+def _load_script(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_bench.py"
-    spec = importlib.util.spec_from_file_location("h200_bench", path)
-    h200 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(h200)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.slow
+def test_h200_script_quick_on_cpu(tmp_path):
+    h200 = _load_script("h200_bench")
     assert h200.main(["--device", "cpu", "--preset", "tiny", "--quick", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "h200_results.json").read_text())
     assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and r["meta"]["prompt_tokens"] == 50
@@ -337,13 +342,7 @@ def test_h200_script_quick_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_h200_server_script_quick_on_cpu(tmp_path):
     """The through-the-server script end to end on the tiny model: a real server child process."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_server_bench.py"
-    spec = importlib.util.spec_from_file_location("h200_server_bench", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _load_script("h200_server_bench")
     assert script.main(["--quick", "--skip", "capacity", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "server_results.json").read_text())
     assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and r["skipped"] == ["capacity"]
@@ -357,3 +356,80 @@ def test_h200_server_script_quick_on_cpu(tmp_path):
     assert r["restart"]["warm"]["errors"] == 0 and r["restart"]["warm"]["requests"] == 3
     assert "through the gRPC server:" in (tmp_path / "server_table.txt").read_text()
     assert {"server-latency.png", "server-first_chunk_hist.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.fixture
+def multi_gpu(monkeypatch):
+    """benchmarks/multi_gpu_server_bench.py; the NVLink-multicast variables it sets are undone afterwards."""
+    script = _load_script("multi_gpu_server_bench")
+    for key in script.NVLS_OFF:
+        monkeypatch.setenv(key, "unset-by-the-test")
+        monkeypatch.delenv(key)
+    return script
+
+
+@pytest.mark.slow
+def test_multi_gpu_server_script_quick_on_cpu(multi_gpu, tmp_path):
+    """Every placement through a real server child process: one device, then two CPU devices as
+    replicas and as LLM + token2wav worker."""
+    assert multi_gpu.main(["--quick", "--skip", "capacity", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "multi_gpu_table.txt").read_text()
+    for name, devices, placement in (("one", [], "replicas"), ("replicas", ["cpu", "cpu"], "replicas"),
+                                     ("disaggregated", ["cpu", "cpu"], "disaggregated")):
+        r = json.loads((tmp_path / f"setup-{name}.json").read_text())
+        model = r["meta"]["config"]["model"]
+        assert (model["devices"], model["placement"]) == (devices, placement)
+        assert r["meta"]["config"]["limits"]["max_concurrent_streams"] == 256
+        assert r["meta"]["multicast_env"] == multi_gpu.NVLS_OFF and r["skipped"] == ["capacity"]
+        assert r["meta"]["phases"]["server_start_s"] > 0 and r["meta"]["server_returncode"] is not None
+        assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
+        for lv in r["levels"]:
+            assert lv["errors"] == 0 and lv["first_chunk_s"]["p50"] > 0
+        assert name in table and name in (tmp_path / "multi_gpu_table.md").read_text()
+    combined = json.loads((tmp_path / "multi_gpu_results.json").read_text())
+    assert [(s["setup"], s["gpus"]) for s in combined["setups"]] == [("one", 1), ("replicas", 2), ("disaggregated", 2)]
+    assert combined["setups"][0]["throughput_vs_one"] == pytest.approx(1.0)
+    assert len(list(tmp_path.iterdir())) == 6
+
+
+def _setup_results(name: str, gpus: int, capacity: float | None, throughput: dict, start_s: float = 100.0) -> dict:
+    """A hand-made setup-<name>.json: capacity in requests/s, throughput {streams: audio s/s}."""
+    levels = [{"concurrency": c, "requests": 2 * c, "errors": 0, "audio_s_per_s": aps,
+               "first_chunk_s": {"p50": 0.1 * c, "p99": 0.2 * c},
+               "underruns": {"late_chunks": c, "requests_with_underruns": c // 2}} for c, aps in throughput.items()]
+    cap = {"capacity_rate": capacity, "first_failing_rate": 2 * (capacity or 0.125), "stopped_early": False,
+           "streams_in_flight": capacity and {"mean": 10 * capacity, "max": 25}}
+    return {"setup": name, "levels": levels, "capacity": cap, "skipped": [], "phase_errors": {},
+            "meta": {"gpus": gpus, "devices": [f"cuda:{i}" for i in range(gpus)], "compile_cache_warm": False,
+                     "phases": {"server_start_s": start_s},
+                     "plan": {"tokens": 250, "prompt_seconds": 6.0, "duration_s": 20.0},
+                     "environment": {"gpu": "NVIDIA H100 80GB HBM3", "host": "h", "time": "t"}}}
+
+
+def test_multi_gpu_merge_scaling_against_one_gpu(multi_gpu, tmp_path):
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+    a.mkdir(), b.mkdir()
+    bench.write_json(_setup_results("one", 1, 0.5, {1: 8.0, 32: 40.0, 64: 41.0}), a / "setup-one.json")
+    bench.write_json(_setup_results("replicas", 4, 2.0, {1: 8.0, 32: 100.0, 64: 150.0, 128: 160.0}),
+                     b / "setup-replicas.json")
+    bench.write_json(_setup_results("disaggregated", 4, None, {1: 7.0, 32: 60.0}), b / "setup-disaggregated.json")
+    assert multi_gpu.main(["--merge", f"{a},{b}", "--out", str(out)]) == 0
+    rows = {r["setup"]: r for r in json.loads((out / "multi_gpu_results.json").read_text())["setups"]}
+    assert list(rows) == ["one", "replicas", "disaggregated"]
+    rep, dis, one = rows["replicas"], rows["disaggregated"], rows["one"]
+    assert rep["capacity_vs_one"] == pytest.approx(4.0) and rep["capacity_rate_per_gpu"] == pytest.approx(0.5)
+    assert rep["capacity_streams"] == pytest.approx(20.0) and rep["capacity_streams_per_gpu"] == pytest.approx(5.0)
+    # throughput at the largest level both ran (64; one never ran 128)
+    assert (rep["throughput_streams"], rep["throughput_vs_one"]) == (64, pytest.approx(150.0 / 41.0))
+    assert (dis["throughput_streams"], dis["throughput_vs_one"]) == (32, pytest.approx(60.0 / 40.0))
+    assert dis["capacity_vs_one"] is None and dis["capacity_streams_per_gpu"] is None
+    assert one["capacity_vs_one"] == pytest.approx(1.0) and one["capacity_streams_per_gpu"] == pytest.approx(5.0)
+    md = (out / "multi_gpu_table.md").read_text()
+    assert "| replicas | 4 | 100 s (cold) | 2 | 20.0 | 5.00 | 4.00x | 150.0 (64) | 3.66x |" in md
+    assert "| disaggregated | 4 | 100 s (cold) | < 0.25 | - | - | - | 60.0 (32) | 1.50x |" in md
+    assert "| one | 64 | 6400 ms | 12800 ms | 64 (32 of 128) | 41.0 | 0 |" in md
+    assert {p.name for p in out.iterdir()} == {"multi_gpu_results.json", "multi_gpu_table.txt", "multi_gpu_table.md"}
+    # without one GPU in the folders there is nothing to scale against
+    assert multi_gpu.main(["--merge", str(b), "--out", str(tmp_path / "alone")]) == 0
+    alone = json.loads((tmp_path / "alone" / "multi_gpu_results.json").read_text())["setups"]
+    assert [r["capacity_vs_one"] for r in alone] == [None, None]
