@@ -8,7 +8,10 @@ memory pool overwrites: callers copy out what they keep before that.
 
 Capture follows PyTorch's recipe: two runs on a side stream first (they compile, autotune and fill
 lazy caches, none of which may happen inside a capture), then the capture, in `thread_local` mode
-so that another thread's CUDA work (the LLM engine's) does not invalidate it.
+so that another thread's CUDA work (the LLM engine's) does not invalidate it, on that side stream
+with the graph's device current: torch.cuda.graph's default capture stream is one per process,
+made on whatever device was current at the first capture, which with several GPUs in one process
+is another GPU's (on an H100 pair: "operation not permitted when stream is capturing").
 """
 from __future__ import annotations
 
@@ -21,15 +24,16 @@ from torch import Tensor
 class CapturedCall:
     def __init__(self, fn: Callable[..., Any], inputs: dict[str, Tensor], device: torch.device, pool=None):
         self.inputs = inputs
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn(**inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.out = fn(**inputs)
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn(**inputs)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                self.out = fn(**inputs)
+            torch.cuda.current_stream(device).wait_stream(side)
 
     def __call__(self, **inputs: Tensor) -> Any:
         for name, value in inputs.items():

@@ -97,14 +97,16 @@ class ReplicaRouter:
     @classmethod
     async def create(cls, config: Config, warmup: bool = True) -> "ReplicaRouter":
         devices = devices_of(config)
-        synths = await asyncio.gather(*(Synthesizer.create(on_device(config, d), warmup=warmup) for d in devices),
-                                      return_exceptions=True)
-        failed = [s for s in synths if isinstance(s, BaseException)]
-        if failed:
+        # one replica after another: torch.compile is not thread-safe (two replicas compiling their LLM
+        # step at once failed on an H100 pair: "using FX to symbolically trace a dynamo-optimized function")
+        synths: list[Synthesizer] = []
+        try:
+            for d in devices:
+                synths.append(await Synthesizer.create(on_device(config, d), warmup=warmup))
+        except BaseException:
             for s in synths:
-                if isinstance(s, Synthesizer):
-                    await s.close()
-            raise failed[0]
+                await s.close()
+            raise
         log.info("replicas on %s", ", ".join(devices))
         return cls(list(synths), devices)
 
@@ -173,7 +175,8 @@ class ReplicaRouter:
         return totals([st for r in self.replicas for st in r.synth.stage_stats()])
 
     async def warmup(self) -> None:
-        await asyncio.gather(*(r.synth.warmup() for r in self.replicas))
+        for r in self.replicas:  # one at a time: warm-up compiles (see create)
+            await r.synth.warmup()
 
     async def close(self) -> None:
         await asyncio.gather(*(r.synth.close() for r in self.replicas))

@@ -78,6 +78,7 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._stream: torch.cuda.Stream | None = None  # CUDA: created by the step thread
         self._graph_pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
 
     @torch.inference_mode()  # inference tensors, like every tensor a step makes: one kind for torch.compile
     def _allocate(self) -> None:
@@ -298,7 +299,12 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        # our own capture stream on our device: torch.cuda.graph's default is one stream per process,
+        # made on the device of the first capture (another replica's GPU, with several devices)
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream,
+                              capture_error_mode="thread_local"):
             tokens, _ = self._decode_rows(slots, uniforms, force, kv_len)
         torch.cuda.synchronize(self.device)
         self.graphs[(batch, kv_len)] = (graph, tokens)
