@@ -156,7 +156,14 @@ class ReplicaRouter:
 
     async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio, overwrite: bool = False):
         with self._assigned() as replica:
-            return await replica.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
+            record = await replica.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
+        # every replica warms the new prompt length before the registration returns, not only the one
+        # that computed it (on an H200 pair the first request after a registration took 1.39 s, 9x the
+        # warm first chunk, on the other replica); one at a time: warm-up compiles (see create)
+        for r in self.replicas:
+            if r is not replica and r.synth.ready:
+                await r.synth.warming.registered(r.synth.synthesize, speaker_id, record.voice.n_tokens)
+        return record
 
     async def delete_speaker(self, speaker_id: str) -> None:
         await asyncio.to_thread(self.speakers.delete, speaker_id)  # one store for every replica

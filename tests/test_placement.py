@@ -29,11 +29,12 @@ TEXT = "Hello there, this is a small test."
 PROMPT_TEXT = "The morning train was late again, so I walked along the river."
 
 
-def _server(tiny_dir, tmp_path, devices: list[str], placement: str) -> ServerThread:
+def _server(tiny_dir, tmp_path, devices: list[str], placement: str, warmup: dict | None = None) -> ServerThread:
     cfg = Config.model_validate({
         "model": {"dir": str(tiny_dir), "devices": devices, "placement": placement},
         "speakers": {"dir": str(tmp_path / "spk")},
         "server": {"port": 0, "metrics_port": 0, "grace_seconds": 5},
+        "warmup": warmup or {},
     })
     return ServerThread(cfg, ready_timeout=900)
 
@@ -65,7 +66,9 @@ def _device_metric(st: ServerThread, name: str) -> dict[tuple[str, str], float]:
 
 
 def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden_dir):
-    with _server(tiny_dir, tmp_path, ["cpu", "cpu"], "replicas") as st:
+    # warm-up coverage forced (as on a GPU): a registration warms its prompt length on every replica
+    with _server(tiny_dir, tmp_path, ["cpu", "cpu"], "replicas",
+                 warmup={"coverage": True, "max_batch": 1, "register_max_batch": 1}) as st:
         router = st.server.synthesizer
         assert isinstance(router, ReplicaRouter) and len(router.replicas) == 2
         prompt = (golden_dir / "prompt_24k.wav").read_bytes()
@@ -76,6 +79,8 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
 
         st.call(register(), timeout=300)
         registered_on = [r.served for r in router.replicas].index(1)  # the replica that computed it
+        n_prompt = router.speakers.get("shared_voice").voice.n_tokens
+        assert [r.synth.warming.warmed.get(n_prompt) for r in router.replicas] == [[1], [1]]
         served_before = [r.served for r in router.replicas]
         # same seed on both replicas: the same audio wherever a request lands
         audio = st.call(_speak(st.target, 4, mode="zero_shot_by_spk_id", speaker_id="shared_voice", seed=5),
