@@ -3,6 +3,7 @@ terminal; elsewhere (logs, captured output) whole lines only: the final one, and
 `log_every_s` one every that many seconds on the way."""
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -16,7 +17,7 @@ class ProgressLine:
         self.enabled = enabled
         self.live = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.every_s = redraw_every_s if self.live else log_every_s
-        self._last_draw = 0.0
+        self._last_draw = -math.inf  # never: monotonic time can be smaller than every_s (a fresh boot)
 
     def show(self, text: str, force: bool = False) -> None:
         """Redraw the line on a terminal (at most every `redraw_every_s` unless `force`); elsewhere
@@ -34,7 +35,7 @@ class ProgressLine:
             return
         self.stream.write(("\r\033[K" if self.live else "") + text + "\n")
         self.stream.flush()
-        self._last_draw = 0.0
+        self._last_draw = -math.inf
 
     def note(self, message: str) -> None:
         """A line of its own."""
