@@ -91,6 +91,8 @@ class Token2WavConfig(_Section):
     # devices, estimator torch or compiled (inside the graph: the compiled module without its own graphs)
     flow_graphs: bool = False
     flow_graph_max_tokens: int = Field(8192, ge=1)
+    # flow + HiFT in a child process per device (token2wav_process.py): out of the server's GIL
+    process: bool = False
 
     @model_validator(mode="after")
     def _graphs_need_a_torch_estimator(self) -> "Token2WavConfig":

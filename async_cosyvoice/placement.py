@@ -24,14 +24,16 @@ from typing import AsyncIterator, Iterator
 import torch
 
 from .config import Config
-from .engine.base import EngineStats
+from .engine.base import EngineStats, first_death
 from .errors import NotReady
 from .model_dir import ModelDir, build_models
 from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
 from .request import Audio, AudioChunk, SynthesisRequest
 from .stage_stats import StageStats, totals
-from .tts import Synthesizer, token2wav_batcher
+from .token2wav_process import Token2WavProcess
+from .token2wav_stage import token2wav_batcher
+from .tts import Synthesizer
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +183,11 @@ class ReplicaRouter:
     def stage_stats(self) -> list[StageStats]:
         return totals([st for r in self.replicas for st in r.synth.stage_stats()])
 
+    async def wait_dead(self) -> str:
+        """Returns once every replica's engine (or token2wav process) has died; one dead replica
+        only stops taking requests."""
+        return "; ".join(await asyncio.gather(*(r.synth.wait_dead() for r in self.replicas)))
+
     async def warmup(self) -> None:
         for r in self.replicas:  # one at a time: warm-up compiles (see create)
             await r.synth.warmup()
@@ -200,9 +207,11 @@ class Token2WavWorker:
     def __init__(self, batcher: Token2WavBatcher, device: str):
         self.batcher = batcher
         self.device = device
-        self.runner = batcher.runner
         self.streams: weakref.WeakSet[Token2WavStream] = weakref.WeakSet()
         self.served = 0  # utterances assigned
+
+    def open_stream(self, *args, **kwargs) -> Token2WavStream:
+        return self.batcher.open_stream(*args, **kwargs)
 
     async def submit(self, job: Token2WavJob, deadline: float) -> torch.Tensor:
         self.streams.add(job.stream)
@@ -239,6 +248,10 @@ class Token2WavPool:
         for w in self.workers:
             w.batcher.forget_speaker(speaker_id)
 
+    async def wait_dead(self) -> str:
+        """Returns when a worker's process died (in-process workers never do)."""
+        return await first_death(*(w.batcher.wait_dead() for w in self.workers))
+
     async def capture_flow_graphs(self, max_streams: int, tokens: range) -> int:
         return sum(await asyncio.gather(*(w.batcher.capture_flow_graphs(max_streams, tokens) for w in self.workers)))
 
@@ -246,8 +259,11 @@ class Token2WavPool:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))
 
 
-def build_token2wav_batcher(config: Config, model_dir: ModelDir, device: str) -> Token2WavBatcher:
-    """A token2wav worker on `device`: its own flow + HiFT weights, estimator, runner and batcher."""
+def build_token2wav_batcher(config: Config, model_dir: ModelDir, device: str) -> Token2WavBatcher | Token2WavProcess:
+    """A token2wav worker on `device`: its own flow + HiFT weights, estimator, runner and batcher, in
+    this process or (token2wav.process) in a child process of its own."""
+    if config.token2wav.process:
+        return Token2WavProcess(config, device)
     models = build_models(model_dir, device=torch.device(device), dtype=getattr(torch, config.model.flow_dtype),
                           with_llm=False)
     return token2wav_batcher(config, models, model_dir)

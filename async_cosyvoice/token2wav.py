@@ -215,12 +215,13 @@ class Token2WavStream:
             hop = self.hop + (self.pad if self.chunks_done == 0 else 0)
             end = self.token_offset + hop + self.schedule.pre_lookahead
             if n >= end:
-                return self._job(end, hop, finalize=False, streaming=True)
+                return self.job_until(end, hop, finalize=False, streaming=True)
         if not llm_done:
             return None
-        return self._job(n, n - self.token_offset, finalize=True, streaming=False)
+        return self.job_until(n, n - self.token_offset, finalize=True, streaming=False)
 
-    def _job(self, end: int, hop: int, finalize: bool, streaming: bool) -> Token2WavJob:
+    def job_until(self, end: int, hop: int, finalize: bool, streaming: bool) -> Token2WavJob:
+        """The next job (chunk `chunks_done`, from `token_offset`) over the first `end` tokens."""
         return Token2WavJob(self, self.chunks_done, self._tokens[:end].reshape(1, -1), self.token_offset, hop,
                             finalize, streaming)
 
@@ -262,20 +263,39 @@ class Token2WavStream:
         if job.finalize:
             out = speech
             self._cache = None
-            self.finished = True
-            self.token_offset = job.n_tokens
         else:
             keep = sched.source_cache_len
             # clones: the outputs may be views into a batch the cache must not keep alive
             self._cache = _HiFTCache(mel=hift_mel[:, :, -sched.mel_cache_len:].clone(),
                                      source=source[:, :, -keep:].clone(), speech=speech[:, -keep:].clone())
             out = speech[:, :-keep]
+        out = out.reshape(-1).to(torch.float32)
+        self.advance(job, out.numel())
+        return out
+
+    def advance(self, job: Token2WavJob, n_samples: int) -> None:
+        """The plan's half of applying a job (offset, next hop, chunk count, done): `finish` does it;
+        a stream whose jobs render in another process (token2wav_process.py) does it on its own."""
+        self._check(job)
+        sched = self.schedule
+        if job.finalize:
+            self.finished = True
+            self.token_offset = job.n_tokens
+        else:
             self.token_offset += job.hop
             self.hop = min(sched.max_hop, self.hop * sched.hop_scale)
         self.chunks_done += 1
-        out = out.reshape(-1).to(torch.float32)
-        self.samples_emitted += out.numel()
-        return out
+        self.samples_emitted += n_samples
+
+
+def request_noise(seed: int | None, segment: int, device: torch.device | str = "cpu") -> NSFNoise:
+    """A segment's NSF noise, drawn by a generator on the token2wav device: on a GPU, drawing a
+    chunk's (length x 9) normals on the CPU made HiFT 15x slower (benchmarks/hift_batch.py: 5463 vs
+    366 ms for 64 x 10 s on an H200). A seed gives the same audio on the same kind of device; CPU
+    and CUDA generators draw different numbers. None: a random seed."""
+    if seed is None:
+        return NSFNoise.random(torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, ()).item())))
+    return NSFNoise.random(torch.Generator(device=device).manual_seed(seed * 1000 + segment))
 
 
 def adaptive_hop(schedule: ChunkSchedule, grown_hop: int, pending: int, lead_s: float, chunk_s: float,

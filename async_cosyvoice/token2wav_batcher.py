@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .offline_batcher import OfflineBatcher
 from .stage_stats import StageStats, timed_call
-from .token2wav import Token2WavJob, Token2WavRunner
+from .token2wav import Token2WavJob, Token2WavRunner, Token2WavStream, request_noise
 from .token2wav_offline import OfflineLimits, is_offline_job
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,19 @@ class Token2WavBatcher:
     def pick(self) -> "Token2WavBatcher":
         """Where an utterance's jobs go: this batcher (placement.Token2WavPool picks a device)."""
         return self
+
+    def open_stream(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, *, seed: int | None,
+                    segment: int, **options) -> Token2WavStream:
+        """A stream whose jobs run here: its prompt moved to this device once, its NSF noise drawn
+        there (`request_noise`). options: Token2WavStream's stream, schedule, speed, prompt_key."""
+        device = self.runner.device
+        return Token2WavStream(prompt_token, prompt_feat, embedding, noise=request_noise(seed, segment, device),
+                               device=device, **options)
+
+    async def wait_dead(self) -> str:
+        """Never returns: this batcher runs in the server's own process (a token2wav process can die)."""
+        await asyncio.Event().wait()
+        return ""
 
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor:
         """Run `job` (applying it to its stream) and return its samples (1-D float32, CPU).

@@ -32,11 +32,10 @@ from .engine.base import (
     EngineStats,
     GenerationRequest,
     SpeechTokenEngine,
+    first_death,
     length_limits,
 )
 from .errors import InvalidRequest, SpeakerExists, TextTimeout, Unsupported
-from .estimator import estimator_from_config
-from .flow_graphs import FlowGraphs
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
@@ -46,7 +45,6 @@ from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
 from .models.dims import RASParams
-from .models.hift import NSFNoise
 from .offline import segments_at_once
 from .request import (
     FLUSH,
@@ -60,9 +58,10 @@ from .rules import ENDOFPROMPT, RequestRules
 from .speaker_store import open_speaker_store
 from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 from .stage_stats import StageStats, totals
-from .token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+from .token2wav import ChunkSchedule
 from .token2wav_batcher import Token2WavBatcher
-from .token2wav_offline import OfflineLimits
+from .token2wav_process import Token2WavProcess
+from .token2wav_stage import token2wav_batcher
 from .utterance import Playback, Utterance
 from .warmup import Warmup, compile_in_use, use_compile_cache
 
@@ -71,28 +70,6 @@ log = logging.getLogger(__name__)
 TextMode = Literal["sentence", "bistream"]
 TextNormalization = Literal["safe", "raw"]
 MAX_STREAM_SENTENCE_CHARS = 200  # a streamed text without sentence ends is cut at about this length
-
-
-def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> Token2WavBatcher:
-    """The token2wav stage of one device from the config: estimator, runner (flow cache), batcher."""
-    t2w = config.token2wav
-    estimator = estimator_from_config(t2w, models.flow, flow_pt=model_dir.path / "flow.pt")
-    graphs = None
-    if t2w.flow_graphs:
-        device = next(models.flow.parameters()).device
-        if device.type == "cuda":
-            graphs = FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens)
-        else:
-            log.info("token2wav.flow_graphs: CUDA graphs need a CUDA device; the flow on %s runs without them",
-                     device)
-    runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
-                             flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
-                             max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final,
-                             flow_graphs=graphs)
-    offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
-               if t2w.offline else None)
-    return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
-                            offline_wait_s=t2w.offline_wait_ms / 1000, max_batch_tokens=t2w.max_batch_tokens)
 
 
 def default_text_mode(supports_bistream: bool) -> TextMode:
@@ -172,6 +149,9 @@ class Synthesizer:
         device = torch.device(config.model.device)
         if compile_in_use(config):
             use_compile_cache(config)
+        if token2wav is None and config.token2wav.process:
+            def token2wav(_model_dir: ModelDir) -> Token2WavProcess:  # flow + HiFT in a child process
+                return Token2WavProcess(config, config.model.device)
         # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module
         models = build_models(model_dir, device=device, dtype=getattr(torch, config.model.flow_dtype),
                               llm_dtype=getattr(torch, config.model.llm_dtype),
@@ -196,6 +176,14 @@ class Synthesizer:
         """Before SERVING: every stage once, and where shapes are captured every batch size for the
         registered speakers' prompt lengths (warmup.py)."""
         await self.warming.run(self.synthesize)
+
+    async def wait_dead(self) -> str:
+        """Returns (a one-line sentence) once the LM engine or a token2wav process has died: this
+        instance can serve no more. Never while both run, or after close()."""
+        async def engine() -> str:
+            return f"the speech-token engine died ({await self.engine.wait_dead()})"
+
+        return await first_death(engine(), self.batcher.wait_dead())
 
     async def close(self) -> None:
         self.ready = False
@@ -438,12 +426,11 @@ class Synthesizer:
         the model input's text)."""
         opts = request.options
         batcher = self.batcher.pick()  # one device's token2wav for the whole utterance (placement)
-        t2w = Token2WavStream(
+        t2w = batcher.open_stream(
             torch.tensor(model_input.flow_prompt_speech_token).reshape(1, -1),
             torch.tensor(model_input.prompt_speech_feat)[None],
             torch.tensor(model_input.flow_embedding).reshape(1, -1),
-            stream=opts.stream, speed=opts.speed, noise=self._noise(opts.seed, segment, batcher.runner.device),
-            device=batcher.runner.device,
+            seed=opts.seed, segment=segment, stream=opts.stream, speed=opts.speed,
             prompt_key=request.speaker_id if MODE_SPECS[request.mode].voice == "speaker" else None,
             schedule=ChunkSchedule(first_hop=opts.first_hop, max_hop_multiple=self.config.token2wav.max_hop_multiple,
                                    prompt_align=1, pre_lookahead=self.dims.flow.pre_lookahead_len,
@@ -501,17 +488,6 @@ class Synthesizer:
         overrides = {k: v for k, v in (("top_p", s.top_p), ("top_k", s.top_k), ("win_size", s.win_size),
                                        ("tau_r", s.tau_r)) if v is not None}
         return dataclasses.replace(self.dims.sampling, **overrides)
-
-    @staticmethod
-    def _noise(seed: int | None, segment: int, device: torch.device | str = "cpu") -> NSFNoise:
-        """The segment's NSF noise, drawn by a generator on the token2wav device: on a GPU, drawing
-        a chunk's (length x 9) normals on the CPU made HiFT 15x slower (benchmarks/hift_batch.py:
-        5463 vs 366 ms for 64 x 10 s on an H200). A seed gives the same audio on the same kind
-        of device; CPU and CUDA generators draw different numbers."""
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-            return NSFNoise.random(torch.Generator(device=device).manual_seed(seed))
-        return NSFNoise.random(torch.Generator(device=device).manual_seed(seed * 1000 + segment))
 
 
 class SyncSynthesizer:

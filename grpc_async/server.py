@@ -183,9 +183,9 @@ class CosyVoiceServer:
         log.info("model ready in %.1f s; health SERVING", time.perf_counter() - t0)
 
     async def _watch_engine(self, synth: "Synthesizer") -> None:
-        reason = await synth.engine.wait_dead()
-        log.critical("the speech-token engine died (%s): health NOT_SERVING, requests get UNAVAILABLE, "
-                     "the server exits with code %d", reason, ENGINE_DEAD_EXIT_CODE)
+        reason = await synth.wait_dead()  # "the speech-token engine died (…)", "the token2wav process … exited …"
+        log.critical("%s: health NOT_SERVING, requests get UNAVAILABLE, the server exits with code %d", reason,
+                     ENGINE_DEAD_EXIT_CODE)
         self.servicer.engine_failure = reason
         self.metrics.ready.set(0)
         self.metrics.engine_alive.set(0)

@@ -191,8 +191,7 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
                 self._streams.discard(task)
 
     def engine_dead(self) -> EngineDead:
-        return EngineDead(f"the speech-token engine died ({self.engine_failure}); this server is "
-                          "exiting, retry on another instance")
+        return EngineDead(f"{self.engine_failure}; this server is exiting, retry on another instance")
 
     def end_streams(self, message: str) -> list[asyncio.Task]:
         """Cancel every synthesis stream still running (the drain grace ran out, the engine died);

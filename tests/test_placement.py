@@ -157,7 +157,7 @@ def test_disaggregated_streams_spread_over_token2wav_workers(tiny_dir, tmp_path,
         # what each device holds: the LM alone on the first, flow + HiFT on each other; and
         # nothing else was loaded (no flow or HiFT built for the LM device and left behind)
         held = [{type(m).__name__ for m in synth.models if m is not None},
-                *({type(w.runner.flow).__name__, type(w.runner.hift).__name__} for w in pool.workers)]
+                *({type(w.batcher.runner.flow).__name__, type(w.batcher.runner.hift).__name__} for w in pool.workers)]
         assert held == [{"CosyVoice2LM"}, {"Flow", "HiFT"}, {"Flow", "HiFT"}], held
         assert [n - b for n, b in zip(_live_models(), before_load)] == [1, 2, 2]
         assert [s.role for s in device_stats(synth)] == ["llm", "token2wav", "token2wav"]

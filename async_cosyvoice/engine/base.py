@@ -6,8 +6,9 @@ take the text itself as a stream (`generate_bistream`, CosyVoice2's bistream mod
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
+from typing import AsyncIterator, Awaitable, Protocol, Sequence, runtime_checkable
 
 from ..models.dims import RASParams
 from ..stage_stats import StageStats
@@ -101,3 +102,14 @@ class SpeechTokenEngine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+
+async def first_death(*waits: Awaitable[str]) -> str:
+    """The reason of whichever of several `wait_dead`s returns first (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return done.pop().result()
+    finally:
+        for t in tasks:
+            t.cancel()

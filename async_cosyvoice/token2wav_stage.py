@@ -1,0 +1,38 @@
+"""One device's token2wav stage built from the config: the flow estimator backend, whole-flow graphs,
+the runner (flow cache) and the batcher. The server's Synthesizer, the placements and a token2wav
+process (token2wav_process.py) all build it here."""
+from __future__ import annotations
+
+import logging
+
+from .config import Config
+from .estimator import estimator_from_config
+from .flow_graphs import FlowGraphs
+from .model_dir import ModelDir, Models
+from .token2wav import Token2WavRunner
+from .token2wav_batcher import Token2WavBatcher
+from .token2wav_offline import OfflineLimits
+
+log = logging.getLogger(__name__)
+
+
+def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> Token2WavBatcher:
+    """The token2wav stage of one device from the config: estimator, runner (flow cache), batcher."""
+    t2w = config.token2wav
+    estimator = estimator_from_config(t2w, models.flow, flow_pt=model_dir.path / "flow.pt")
+    graphs = None
+    if t2w.flow_graphs:
+        device = next(models.flow.parameters()).device
+        if device.type == "cuda":
+            graphs = FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens)
+        else:
+            log.info("token2wav.flow_graphs: CUDA graphs need a CUDA device; the flow on %s runs without them",
+                     device)
+    runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
+                             flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
+                             max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final,
+                             flow_graphs=graphs)
+    offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
+               if t2w.offline else None)
+    return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
+                            offline_wait_s=t2w.offline_wait_ms / 1000, max_batch_tokens=t2w.max_batch_tokens)
