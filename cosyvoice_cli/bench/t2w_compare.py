@@ -31,8 +31,6 @@ async def _t2w_round(synth: "Synthesizer", batcher, voice, token_lists: Sequence
                      seed: int) -> dict:
     import torch
 
-    from async_cosyvoice.token2wav import Token2WavStream
-
     prompt_token = torch.from_numpy(np.array(voice.flow_prompt_speech_token, np.int32)).reshape(1, -1)
     prompt_feat = torch.from_numpy(np.array(voice.prompt_speech_feat, np.float32))[None]
     embedding = torch.from_numpy(np.array(voice.flow_embedding, np.float32)).reshape(1, -1)
@@ -40,8 +38,8 @@ async def _t2w_round(synth: "Synthesizer", batcher, voice, token_lists: Sequence
     t0 = time.monotonic()
 
     async def drive(i: int, tokens: np.ndarray) -> RequestResult:
-        stream = Token2WavStream(prompt_token, prompt_feat, embedding, stream=True, schedule=schedule,
-                                 noise=synth._noise(seed + i, 0))
+        stream = batcher.open_stream(prompt_token, prompt_feat, embedding, seed=seed + i, segment=0, stream=True,
+                                     schedule=schedule)
         stream.append(tokens)
         start = time.monotonic()
         result = RequestResult(index=i, seed=seed + i, start_s=start - t0, total_s=0.0)
