@@ -14,7 +14,8 @@ import time
 import numpy as np
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.tts import Audio, Mode, SynthesisOptions, SynthesisRequest, Synthesizer
+from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest
+from async_cosyvoice.tts import Synthesizer
 
 
 async def main(args) -> None:
