@@ -26,13 +26,13 @@ import torch
 from .config import Config
 from .engine.base import EngineStats, first_death
 from .errors import NotReady
-from .model_dir import ModelDir, build_models
+from .model_dir import ModelDir
 from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
 from .request import Audio, AudioChunk, SynthesisRequest
 from .stage_stats import StageStats, totals
 from .token2wav_process import Token2WavProcess
-from .token2wav_stage import token2wav_batcher
+from .token2wav_stage import device_token2wav_batcher
 from .tts import Synthesizer
 
 log = logging.getLogger(__name__)
@@ -264,9 +264,7 @@ def build_token2wav_batcher(config: Config, model_dir: ModelDir, device: str) ->
     this process or (token2wav.process) in a child process of its own."""
     if config.token2wav.process:
         return Token2WavProcess(config, device)
-    models = build_models(model_dir, device=torch.device(device), dtype=getattr(torch, config.model.flow_dtype),
-                          with_llm=False)
-    return token2wav_batcher(config, models, model_dir)
+    return device_token2wav_batcher(config, model_dir, device)
 
 
 def build_token2wav_pool(config: Config, model_dir: ModelDir, devices: list[str]) -> Token2WavPool:

@@ -37,17 +37,16 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from .config import Config
 from .demo import resolve_model_dir
 from .errors import EngineDead
-from .model_dir import build_models, load_model_dir
+from .model_dir import load_model_dir
 from .stage_stats import StageStats
 from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
-from .token2wav_stage import token2wav_batcher
+from .token2wav_stage import device_token2wav_batcher
 from .warmup import compile_in_use, use_compile_cache
 
 log = logging.getLogger(__name__)
@@ -287,10 +286,7 @@ def serve_token2wav(config_json: dict, device: str, conn) -> None:
         config = Config.model_validate(config_json)
         if compile_in_use(config):
             use_compile_cache(config)
-        model_dir = load_model_dir(resolve_model_dir(config.model.dir))
-        models = build_models(model_dir, device=torch.device(device), dtype=getattr(torch, config.model.flow_dtype),
-                              with_llm=False)
-        batcher = token2wav_batcher(config, models, model_dir)
+        batcher = device_token2wav_batcher(config, load_model_dir(resolve_model_dir(config.model.dir)), device)
     except BaseException as e:  # noqa: BLE001 — reported to the server, which raises it
         conn.send(("failed", None, picklable(e)))
         return

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from .config import Config
 from .estimator import estimator_from_config
 from .flow_graphs import FlowGraphs
-from .model_dir import ModelDir, Models
+from .model_dir import ModelDir, Models, build_models
 from .token2wav import Token2WavRunner
 from .token2wav_batcher import Token2WavBatcher
 from .token2wav_offline import OfflineLimits
@@ -36,3 +38,10 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
                if t2w.offline else None)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
                             offline_wait_s=t2w.offline_wait_ms / 1000, max_batch_tokens=t2w.max_batch_tokens)
+
+
+def device_token2wav_batcher(config: Config, model_dir: ModelDir, device: str) -> Token2WavBatcher:
+    """A token2wav stage of its own on `device`: flow + HiFT loaded there (no LM), then the stage."""
+    models = build_models(model_dir, device=torch.device(device), dtype=getattr(torch, config.model.flow_dtype),
+                          with_llm=False)
+    return token2wav_batcher(config, models, model_dir)

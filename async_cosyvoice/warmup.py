@@ -51,15 +51,24 @@ def compile_in_use(config: Config) -> bool:
         config.engine.cuda_graphs or config.engine.compile or config.token2wav.estimator == "compiled")
 
 
+def compile_cache_dir(config: Config) -> Path:
+    """Where torch.compile's caches are: an explicit TORCHINDUCTOR_CACHE_DIR in the environment, else
+    `warmup.compile_cache_dir` (default: <cache root>/torch-compile)."""
+    explicit = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if explicit is not None:
+        return Path(explicit)
+    return Path(config.warmup.compile_cache_dir or cache_root() / "torch-compile").expanduser()
+
+
 def use_compile_cache(config: Config) -> Path:
-    """torch.compile's caches under `warmup.compile_cache_dir` (default: <cache root>/torch-compile).
-    An explicit TORCHINDUCTOR_CACHE_DIR in the environment wins. Inductor reads it when it first
+    """torch.compile's caches in `compile_cache_dir(config)`. Inductor reads it when it first
     compiles, so this runs before the models are built."""
-    folder = Path(config.warmup.compile_cache_dir or cache_root() / "torch-compile").expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    chosen = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    chosen = compile_cache_dir(config)
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        chosen.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(chosen)
     log.info("torch.compile cache: %s", chosen)
-    return Path(chosen)
+    return chosen
 
 
 def batch_sizes(largest: int) -> list[int]:

@@ -51,10 +51,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks import h200_server_bench as server_bench
 from cosyvoice_cli import bench
-from async_cosyvoice.files import cache_root
-from async_cosyvoice.warmup import compile_in_use
+from async_cosyvoice.warmup import compile_cache_dir, compile_in_use
 
 SETUPS = ("one", "replicas", "disaggregated")
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -90,8 +91,6 @@ def log(msg: str) -> None:
 def device_list(args) -> list[str]:
     if args.quick:
         return ["cpu"] * (args.gpus or QUICK_DEVICES)
-    import torch
-
     n = torch.cuda.device_count() if args.gpus is None else args.gpus
     if n < 1:
         raise SystemExit("no CUDA device (--gpus); --quick runs on CPU devices")
@@ -112,8 +111,7 @@ def compile_cache_warm(config) -> bool | None:
     a later setup starts faster when an earlier one filled it. None when nothing is compiled."""
     if not compile_in_use(config):
         return None
-    folder = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or config.warmup.compile_cache_dir
-                  or cache_root() / "torch-compile").expanduser()
+    folder = compile_cache_dir(config)
     return folder.is_dir() and any(folder.iterdir())
 
 
