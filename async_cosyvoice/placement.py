@@ -253,7 +253,9 @@ class Token2WavPool:
         return await first_death(*(w.batcher.wait_dead() for w in self.workers))
 
     async def capture_flow_graphs(self, max_streams: int, tokens: range) -> int:
-        return sum(await asyncio.gather(*(w.batcher.capture_flow_graphs(max_streams, tokens) for w in self.workers)))
+        # one worker after another: a capture's warm-up runs may torch.compile, which is not
+        # thread-safe (see ReplicaRouter.create)
+        return sum([await w.batcher.capture_flow_graphs(max_streams, tokens) for w in self.workers])
 
     async def close(self) -> None:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))
