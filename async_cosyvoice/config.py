@@ -91,6 +91,11 @@ class Token2WavConfig(_Section):
     # devices, estimator torch or compiled (inside the graph: the compiled module without its own graphs)
     flow_graphs: bool = False
     flow_graph_max_tokens: int = Field(8192, ge=1)
+    # HiFT's calls (streaming chunks of many streams, padded; offline groups that fit) as one CUDA
+    # graph per (streams, mel frames) bucket of at most hift_graph_max_frames streams x frames
+    # (hift_graphs.py); CUDA devices
+    hift_graphs: bool = False
+    hift_graph_max_frames: int = Field(8192, ge=1)
     # flow + HiFT in a child process per device (token2wav_process.py): out of the server's GIL
     process: bool = False
 

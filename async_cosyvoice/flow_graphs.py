@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .cuda_graph import CapturedCall
+from .cuda_graph import CapturedCall, padded
 from .estimator.torch_backend import batch_bucket, length_bucket
 from .models.flow.flow import Flow
 
@@ -92,8 +92,8 @@ class FlowGraphs:
                       embedding=embedding.to(dev), streaming=flags.to(dev, torch.bool))
         self.replays += 1
         if not self.cuda_graphs:
-            padded = {name: _padded(v, self._buffer_shape(name, Bb, Tb, v)) for name, v in inputs.items()}
-            mel, mel_lens = self._forward(Tb)(**padded)
+            mel, mel_lens = self._forward(Tb)(**{name: padded(v, self._buffer_shape(name, Bb, Tb, v))
+                                                 for name, v in inputs.items()})
         else:
             graph = self.graphs.get((Bb, Tb))
             if graph is None:
@@ -151,9 +151,3 @@ class FlowGraphs:
         graph = self.graphs[(Bb, Tb)] = CapturedCall(self._forward(Tb), buffers, self.device, self._pool)
         return graph
 
-
-def _padded(value: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """value in the leading corner of zeros of `shape` (what a captured call's buffer holds)."""
-    out = value.new_zeros(shape)
-    out[tuple(slice(0, n) for n in value.shape)] = value
-    return out

@@ -252,10 +252,10 @@ class Token2WavPool:
         """Returns when a worker's process died (in-process workers never do)."""
         return await first_death(*(w.batcher.wait_dead() for w in self.workers))
 
-    async def capture_flow_graphs(self, max_streams: int, tokens: range) -> int:
+    async def capture_graphs(self, max_streams: int, tokens: range, frames: range) -> int:
         # one worker after another: a capture's warm-up runs may torch.compile, which is not
         # thread-safe (see ReplicaRouter.create)
-        return sum([await w.batcher.capture_flow_graphs(max_streams, tokens) for w in self.workers])
+        return sum([await w.batcher.capture_graphs(max_streams, tokens, frames) for w in self.workers])
 
     async def close(self) -> None:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))

@@ -9,7 +9,7 @@ Two halves, kept apart so a cross-stream batcher can run many streams' chunks to
 - run: `Token2WavRunner.run_many(jobs)` computes jobs of many streams with a Flow and a HiFT module:
       flow mel  = Flow.forward over padded length groups (batched across streams)
       mel, cache = stream.hift_input(job, flow mel)      (pure)
-      speech, source = hift.inference(mel, cache)        (batched over equal mel lengths)
+      speech, source = hift.inference(mel, cache)        (batched over padded length groups)
       samples = stream.finish(job, mel, speech, source)  (cross-fade, caches, advance)
 
 Schedule (facts sheet §5, upstream `CosyVoice2Model.tts` / `token2wav`), except that the hop
@@ -42,6 +42,7 @@ from torch import Tensor
 
 from .flow_cache import SpeakerPrefixCache, chunk_floor, speaker_prefix_tokens
 from .flow_graphs import FlowGraphs
+from .hift_graphs import HiFTGraphs, HiFTOutput, render_group
 from .models.flow.flow import Flow
 from .models.flow.prefix import FlowState, Geometry
 from .models.hift import HiFT, NSFNoise
@@ -365,7 +366,7 @@ class RunnerStats:
 class Token2WavRunner:
     """Runs the jobs of distinct streams together: one padded flow call per length group (each CFM
     step one estimator call for all of its streams, conditional and unconditional halves), and
-    one HiFT call per group of equal mel length.
+    one HiFT call per length group of mel frames.
 
     Streaming chunks (the exact flow state cache, flow_cache.py; `flow_cache=True`): each job
     computes only the tokens after its stream's cached prefix (`stream.flow_state`, or its
@@ -386,14 +387,13 @@ class Token2WavRunner:
     1e-5 (measured 1.2e-6), audio within 2e-5 (measured 1.1e-5; HiFT's NSF phase amplifies mel
     differences about 10x), tests/test_batcher.py.
 
-    HiFT is batched only over equal mel lengths, which is exact. Padding is not: HiFT's F0
-    convolutions, resblocks, source interpolation and the STFT's reflection at the right edge see
-    the padding, and a chunk's right edge is used (its last 3840 samples are cross-faded into the
-    next chunk, its source tail seeds the next source). Measured on the fixture: right-padding a
-    120-frame mel by 1–40 frames changes the last 8–11 frames of audio by up to 2.5e-2 (and the
-    source by 0.15). In steady streaming every chunk has 2·max_hop + 8 frames, so equal-length
-    groups are the common case.  Whole non-streaming utterances are rendered by the offline path
-    instead (token2wav_offline.py), whose padded HiFT masks every convolution and so is exact.
+    HiFT: the jobs' mel lengths (8 cached frames + the chunk's) are grouped by the same rule, and
+    each group is one call (hift_graphs.render_group): a plain batched call when the lengths are
+    equal, else one right-padded call (`HiFT.inference_padded`, exact: every convolution masked,
+    each item's own NSF phase, cache_source and STFT reflection at its end), with `hift_graphs`
+    one CUDA graph replay per bucket. Plain zero-padding would not be exact: HiFT is not causal,
+    and a chunk's right edge is used (its last 3840 samples are cross-faded into the next chunk,
+    its source tail seeds the next source).
 
     `flow` may be any FlowLike (tests use stand-ins); only a real `Flow` is batched and cached,
     others run one job at a time through `flow.inference`. `estimator` (see
@@ -407,13 +407,14 @@ class Token2WavRunner:
     (measured on the tiny fixture: NOTES-flowcache.md). Off by default.
     flow_graphs: runs the recomputing flow calls (flow_graphs.py: the whole call as one CUDA graph
     per bucket, larger calls as before); None: `flow(…, estimator=estimator)`.
+    hift_graphs: runs HiFT's padded group calls as CUDA graphs (hift_graphs.py); None: eagerly.
     """
 
     def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
                  estimator: Callable[..., Tensor] | None = None, length_bucket_ratio: float = 1.5,
                  max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 2 << 30,
                  max_cached_tokens: int | None = None, chunked_final: bool = False,
-                 flow_graphs: FlowGraphs | None = None):
+                 flow_graphs: FlowGraphs | None = None, hift_graphs: HiFTGraphs | None = None):
         if length_bucket_ratio < 1:
             raise ValueError(f"length_bucket_ratio must be >= 1, got {length_bucket_ratio}")
         if max_cached_tokens is not None and max_cached_tokens < 0:
@@ -435,6 +436,7 @@ class Token2WavRunner:
         self._flow_call = (flow_graphs if flow_graphs is not None else
                            functools.partial(flow, estimator=estimator) if self._batched_flow else None)
         self.flow_graphs = flow_graphs
+        self.hift_graphs = hift_graphs
         if self.flow_cache and estimator is not None and getattr(estimator, "name", "torch") != "torch":
             log.info("flow state cache on: streaming chunks run the flow's PyTorch estimator against their cached "
                      "prefix; the %s estimator runs final and non-streaming calls (token2wav.flow_cache: false "
@@ -622,26 +624,14 @@ class Token2WavRunner:
         flow_mels = self.flow_mels(jobs)
         inputs = [job.stream.hift_input(job, mel) for job, mel in zip(jobs, flow_mels)]
 
-        hift_out: list[tuple[Tensor, Tensor] | None] = [None] * len(jobs)
-        groups: dict[int, list[int]] = {}
-        for i, (mel, _) in enumerate(inputs):
-            groups.setdefault(mel.shape[2], []).append(i)
-        for frames, idx in groups.items():
-            if frames == 0:  # nothing left to render (final call right after a full chunk, no cache)
-                for i in idx:
-                    hift_out[i] = (inputs[i][0].new_zeros(1, 0), inputs[i][0].new_zeros(1, 1, 0))
-                continue
-            mel = torch.cat([inputs[i][0] for i in idx])
-            caches = [inputs[i][1] for i in idx]
-            noise = [NSFNoise() if jobs[i].stream.noise is None else jobs[i].stream.noise for i in idx]
-            if len(idx) == 1:
-                speech, source = self.hift.inference(mel, caches[0], noise[0])
-            else:
-                speech, source = self.hift.inference(mel, caches, noise)
+        hift_out: list[HiFTOutput | None] = [None] * len(jobs)
+        for group in length_groups([mel.shape[2] for mel, _ in inputs], self.length_bucket_ratio):
+            group_out = render_group(self.hift, self.hift_graphs, [inputs[i][0] for i in group],
+                                [inputs[i][1] for i in group], [jobs[i].stream.noise for i in group])
             self.stats.hift_calls += 1
-            self.stats.hift_items += len(idx)
-            for k, i in enumerate(idx):
-                hift_out[i] = (speech[k:k + 1], source[k:k + 1])
+            self.stats.hift_items += len(group)
+            for i, out in zip(group, group_out):
+                hift_out[i] = out
 
         outs = []
         for job, flow_mel, (mel, cache), (speech, source) in zip(jobs, flow_mels, inputs, hift_out):

@@ -160,15 +160,18 @@ class Token2WavBatcher:
             raise result
         return result
 
-    async def capture_flow_graphs(self, max_streams: int, tokens: range) -> int:
-        """Capture the whole-flow CUDA graphs (flow_graphs.py) of 1, 2, 4, … up to max_streams
-        streams x these token counts now, in the device thread; returns how many were new (0
-        without flow graphs)."""
-        graphs = self.runner.flow_graphs
-        if graphs is None:
-            return 0
-        streams = [b for b in graphs.stream_buckets if b <= max_streams] or [graphs.stream_buckets[0]]
-        return await self.run_on_device(graphs.warmup, streams, tokens, items=0)
+    async def capture_graphs(self, max_streams: int, tokens: range, frames: range) -> int:
+        """Capture the CUDA graphs of 1, 2, 4, … up to max_streams streams now, in the device
+        thread: the whole flow call's (flow_graphs.py) x these token counts, HiFT's (hift_graphs.py)
+        x these mel frame counts. Returns how many were new (0 without graphs)."""
+        def capture() -> int:
+            new = 0
+            for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.hift_graphs, frames)):
+                if graphs is not None:
+                    streams = [b for b in graphs.stream_buckets if b <= max_streams] or [graphs.stream_buckets[0]]
+                    new += graphs.warmup(streams, lengths)
+            return new
+        return await self.run_on_device(capture, items=0)
 
     def _ensure_running(self) -> None:
         loop = asyncio.get_running_loop()

@@ -8,8 +8,9 @@ non-streaming `token2wav`). `render_offline` computes many such jobs at once:
            items and max_frames padded mel frames each, lengths within length_ratio); one padded
            `Flow.forward` per group (runner.flow_mels: masks make each item its own call)
     mel:   stream.hift_input (the target part, `speed` resampling) per job
-    HiFT:  jobs sorted by mel frames, cut the same way; a group of equal lengths is one
-           `HiFT.inference`, any other one `HiFT.inference_padded` (exact for padded items)
+    HiFT:  jobs sorted by mel frames, cut the same way; each group one call
+           (hift_graphs.render_group: equal lengths one `HiFT.inference`, any other group one
+           `HiFT.inference_padded`, exact for padded items; a CUDA graph where its bucket fits)
     out:   stream.finish per job (no cache: the whole utterance at once)
 
 Every item equals its own one-at-a-time render up to float summation order: the flow noise is
@@ -26,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .models.hift import NSFNoise
+from .hift_graphs import render_group
 from .token2wav import ChunkRecord, Token2WavJob, Token2WavRunner
 
 
@@ -126,7 +127,10 @@ def render_offline(runner: Token2WavRunner, jobs: Sequence[Token2WavJob], limits
         frames = [mel.shape[2] for mel in inputs]
         hift_out: list[tuple[Tensor, Tensor]] = [None] * len(jobs)  # type: ignore[list-item]
         for group in padded_groups(frames, limits):
-            _hift_group(runner, [jobs[i] for i in group], [inputs[i] for i in group], hift_out, group)
+            group_out = render_group(runner.hift, runner.hift_graphs, [inputs[i] for i in group], [None] * len(group),
+                                [jobs[i].stream.noise for i in group])
+            for i, out in zip(group, group_out):
+                hift_out[i] = out
             stats.hift_calls += 1
             stats.hift_batches[len(group)] += 1
         outs = []
@@ -142,30 +146,3 @@ def render_offline(runner: Token2WavRunner, jobs: Sequence[Token2WavJob], limits
         stats.jobs += len(jobs)
     return outs
 
-
-def _hift_group(runner: Token2WavRunner, jobs: Sequence[Token2WavJob], mels: Sequence[Tensor],
-                out: list, index: Sequence[int]) -> None:
-    """One HiFT call for a group: (speech (1, 480T_b), source (1, 1, 480T_b)) per item into out[index[k]]."""
-    hift = runner.hift
-    noise = [j.stream.noise if j.stream.noise is not None else NSFNoise() for j in jobs]
-    frames = [m.shape[2] for m in mels]
-    n = hift.dims.samples_per_frame
-    if max(frames) == 0:
-        for i, m in zip(index, mels):
-            out[i] = (m.new_zeros(1, 0), m.new_zeros(1, 1, 0))
-        return
-    if len(set(frames)) == 1:  # equal lengths: the plain batched call
-        speech, source = hift.inference(torch.cat(list(mels)), None, noise if len(jobs) > 1 else noise[0])
-        for k, i in enumerate(index):
-            out[i] = (speech[k:k + 1], source[k:k + 1])
-        return
-    if min(frames) < 2:  # too short to pad (HiFT's reflection needs 2 frames): each alone
-        for i, m, z in zip(index, mels, noise):
-            out[i] = (m.new_zeros(1, 0), m.new_zeros(1, 1, 0)) if m.shape[2] == 0 else hift.inference(m, None, z)
-        return
-    batch = mels[0].new_zeros(len(mels), mels[0].shape[1], max(frames))
-    for k, m in enumerate(mels):
-        batch[k, :, :m.shape[2]] = m[0]
-    speech, sources = hift.inference_padded(batch, frames, noise)
-    for k, (i, f) in enumerate(zip(index, frames)):
-        out[i] = (speech[k:k + 1, :n * f], sources[k])

@@ -15,7 +15,7 @@ request's seed). One duplex pipe of pickled messages:
                       ("job", key, JobSpec)            one chunk, with the tokens the child lacks
                       ("cancel", key)                  its caller went away: dropped if not started
                       ("close", sid)                   the server's stream is gone
-                      ("call", key, method, args)      forget_speaker, capture_flow_graphs
+                      ("call", key, method, args)      forget_speaker, capture_graphs
                       ("stop",)
     child -> server   ("ready", device) | ("failed", None, error)   once, after loading
                       ("done", key, result, started, stats) | ("failed", key, error, stats)
@@ -102,7 +102,7 @@ class _Sent:
 
 class Token2WavProcess:
     """The token2wav stage of one device in a child process; in the Synthesizer's `batcher` slot
-    (open_stream, submit, pick, stage_stats_list, forget_speaker, capture_flow_graphs, wait_dead,
+    (open_stream, submit, pick, stage_stats_list, forget_speaker, capture_graphs, wait_dead,
     close). Construction blocks until the child has loaded its models (call it off the loop)."""
 
     def __init__(self, config: Config, device: str):
@@ -173,8 +173,8 @@ class Token2WavProcess:
     def forget_speaker(self, speaker_id: str) -> None:
         self._send_quietly(("call", None, "forget_speaker", (speaker_id,)))
 
-    async def capture_flow_graphs(self, max_streams: int, tokens: range) -> int:
-        return await self._request("call", "capture_flow_graphs", (max_streams, tokens))
+    async def capture_graphs(self, max_streams: int, tokens: range, frames: range) -> int:
+        return await self._request("call", "capture_graphs", (max_streams, tokens, frames))
 
     async def wait_dead(self) -> str:
         """Returns (the reason) once the child has died; never while it runs or after close()."""

@@ -1,5 +1,5 @@
-"""One device's token2wav stage built from the config: the flow estimator backend, whole-flow graphs,
-the runner (flow cache) and the batcher. The server's Synthesizer, the placements and a token2wav
+"""One device's token2wav stage built from the config: the flow estimator backend, whole-flow and
+HiFT graphs, the runner (flow cache) and the batcher. The server's Synthesizer, the placements and a token2wav
 process (token2wav_process.py) all build it here."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from .config import Config
 from .estimator import estimator_from_config
 from .flow_graphs import FlowGraphs
 from .model_dir import ModelDir, Models, build_models
-from .token2wav import Token2WavRunner
+from .hift_graphs import HiFTGraphs
+from .token2wav import ChunkSchedule, Token2WavRunner
 from .token2wav_batcher import Token2WavBatcher
 from .token2wav_offline import OfflineLimits
 
@@ -22,18 +23,21 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     """The token2wav stage of one device from the config: estimator, runner (flow cache), batcher."""
     t2w = config.token2wav
     estimator = estimator_from_config(t2w, models.flow, flow_pt=model_dir.path / "flow.pt")
-    graphs = None
-    if t2w.flow_graphs:
-        device = next(models.flow.parameters()).device
-        if device.type == "cuda":
-            graphs = FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens)
-        else:
-            log.info("token2wav.flow_graphs: CUDA graphs need a CUDA device; the flow on %s runs without them",
-                     device)
+    device = next(models.flow.parameters()).device
+    flow_graphs = hift_graphs = None
+    if (t2w.flow_graphs or t2w.hift_graphs) and device.type != "cuda":
+        log.info("token2wav flow_graphs / hift_graphs: CUDA graphs need a CUDA device; on %s they are off", device)
+    elif device.type == "cuda":
+        if t2w.flow_graphs:
+            flow_graphs = FlowGraphs(models.flow, estimator.capturable, estimator,
+                                     max_bucket_tokens=t2w.flow_graph_max_tokens)
+        if t2w.hift_graphs:
+            cache = ChunkSchedule(samples_per_frame=models.hift.upsample_scale).source_cache_len
+            hift_graphs = HiFTGraphs(models.hift, cache_samples=cache, max_bucket_frames=t2w.hift_graph_max_frames)
     runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
                              max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final,
-                             flow_graphs=graphs)
+                             flow_graphs=flow_graphs, hift_graphs=hift_graphs)
     offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
                if t2w.offline else None)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,

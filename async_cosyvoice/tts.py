@@ -125,7 +125,7 @@ class Synthesizer:
         self.ready = False
         self._cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend")
         self.warming = Warmup(config, speakers, self.sample_rate, max_tokens=min(40, self.rules.max_forced_tokens),
-                              capture=batcher.capture_flow_graphs)
+                              capture=batcher.capture_graphs)
         self._engine_serial = itertools.count()  # see _engine_request_id
 
     # -- construction ---------------------------------------------------------------------------

@@ -12,7 +12,8 @@ plus the first hop. So the warm-up
    engine.max_num_seqs): every batch bucket of that prompt's first and final chunks, and every
    LLM decode batch size on the way; then, with whole-flow CUDA graphs (token2wav.flow_graphs),
    captures the flow graphs of that prompt length plus 1 .. `GRAPH_TARGET_TOKENS` target tokens
-   at the same stream counts (the later chunks' calls, which short requests do not reach).
+   at the same stream counts (the later chunks' calls, which short requests do not reach), and
+   with HiFT graphs (token2wav.hift_graphs) HiFT's at every streaming chunk's mel length.
 A speaker registered while serving gets step 2 before its registration returns (once per prompt
 length), up to `register_max_batch` (8) streams: those requests run beside live traffic, so the
 larger batch buckets of a new prompt length are captured on first use (or at the next start).
@@ -34,6 +35,7 @@ import numpy as np
 
 from .files import cache_root
 from .request import Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest
+from .token2wav import ChunkSchedule
 
 if TYPE_CHECKING:
     from .config import Config
@@ -71,6 +73,15 @@ def use_compile_cache(config: Config) -> Path:
     return chosen
 
 
+def chunk_mel_frames(config: Config) -> range:
+    """Mel frame counts of HiFT's streaming calls, in steps of 16: up to the cached frames plus a
+    final chunk's (the longest hop and its look-ahead)."""
+    t2w = config.token2wav
+    s = ChunkSchedule(first_hop=t2w.first_hop, max_hop_multiple=t2w.max_hop_multiple)
+    longest = s.mel_cache_len + s.token_mel_ratio * (max(s.max_hop, 2 * s.first_hop) + s.pre_lookahead)
+    return range(16, longest + 16, 16)
+
+
 def batch_sizes(largest: int) -> list[int]:
     """1, 2, 4, … and `largest` itself."""
     sizes, n = [], 1
@@ -99,8 +110,9 @@ class Warmup:
     speakers: SpeakerStoreBase
     sample_rate: int
     max_tokens: int                     # speech tokens per warm-up request (its first and final chunks)
-    # (max streams, flow token counts) -> graphs captured: the token2wav stage's capture_flow_graphs
-    capture: Callable[[int, range], Awaitable[int]] | None = None
+    # (max streams, flow token counts, HiFT mel frame counts) -> graphs captured: the token2wav
+    # stage's capture_graphs
+    capture: Callable[[int, range, range], Awaitable[int]] | None = None
     warmed: dict[int, list[int]] = field(default_factory=dict)  # prompt length (speech tokens) -> batch sizes run
 
     @property
@@ -152,8 +164,9 @@ class Warmup:
             await asyncio.gather(*(drain(synthesize(request())) for _ in range(n)))
             done.append(n)
         graphs = 0
-        if self.capture is not None:  # steps of 16 tokens: every length bucket (>= 32 tokens wide) once
-            graphs = await self.capture(max_batch, range(prompt_tokens + 1, prompt_tokens + GRAPH_TARGET_TOKENS + 1, 16))
+        if self.capture is not None:  # steps of 16: every length bucket (>= 32 tokens, >= 16 frames wide) once
+            graphs = await self.capture(max_batch, range(prompt_tokens + 1, prompt_tokens + GRAPH_TARGET_TOKENS + 1, 16),
+                                        chunk_mel_frames(self.config))
         self.warmed[prompt_tokens] = done
-        log.info("warmed speaker %r (%d prompt tokens) at 1..%d streams in %.1f s (%d flow graphs captured)",
+        log.info("warmed speaker %r (%d prompt tokens) at 1..%d streams in %.1f s (%d CUDA graphs captured)",
                  speaker_id, prompt_tokens, max_batch, time.monotonic() - t, graphs)

@@ -107,7 +107,7 @@ def test_child_death_ends_requests_and_the_server(tiny_dir, tmp_path):
         inflight, new = asyncio.run(body())
         assert st.call(st.server.serve_until(asyncio.Event()), timeout=60) == ENGINE_DEAD_EXIT_CODE
         with pytest.raises(EngineDead, match="token2wav process on cpu exited"):
-            st.call(proc.capture_flow_graphs(1, range(1)), timeout=30)
+            st.call(proc.capture_graphs(1, range(1), range(16, 17)), timeout=30)
     finally:
         st.close(grace=0)
     for code, details in (inflight, new):

@@ -62,9 +62,10 @@ def test_compile_in_use(overrides, expected):
     assert compile_in_use(Config.model_validate(overrides)) is expected
 
 
-def test_flow_graphs_of_a_prompt_length_are_captured_after_its_requests(tmp_path):
-    """With whole-flow graphs the warm-up also captures the later chunks' flow calls, which short
-    requests do not reach: prompt + 1 .. GRAPH_TARGET_TOKENS tokens, at the warmed stream counts."""
+def test_graphs_of_a_prompt_length_are_captured_after_its_requests(tmp_path):
+    """With CUDA graphs the warm-up also captures the later chunks' calls, which short requests do
+    not reach: the flow's of prompt + 1 .. GRAPH_TARGET_TOKENS tokens and HiFT's of every streaming
+    chunk's mel length, at the warmed stream counts."""
     events = []
 
     async def synthesize(request):
@@ -72,15 +73,19 @@ def test_flow_graphs_of_a_prompt_length_are_captured_after_its_requests(tmp_path
         return
         yield
 
-    async def capture(max_streams, tokens):
-        events.append(("capture", max_streams, tokens))
+    async def capture(max_streams, tokens, frames):
+        events.append(("capture", max_streams, tokens, frames))
         return 7
 
     config = Config.model_validate({"warmup": {"coverage": True, "max_batch": 4}})
     warm = Warmup(config, SpeakerStore(tmp_path), 24000, max_tokens=40, capture=capture)
     asyncio.run(warm.speaker(synthesize, "alice", 150))
     assert events[:-1] == [("request", "alice")] * 7  # 1 + 2 + 4 streams first
-    kind, streams, tokens = events[-1]
+    kind, streams, tokens, frames = events[-1]
     assert (kind, streams) == ("capture", 4)
     assert tokens[0] == 151 and tokens[-1] >= 150 + GRAPH_TARGET_TOKENS - 16 and tokens.step <= 16
+    # HiFT: every streaming chunk's mel length, up to 8 cached frames + a final chunk of max_hop + 3 tokens
+    t2w = config.token2wav
+    assert frames[0] <= 16 and frames.step <= 16
+    assert frames[-1] >= 8 + 2 * (t2w.first_hop * t2w.max_hop_multiple + 3)
     assert warm.warmed == {150: [1, 2, 4]}

@@ -16,12 +16,15 @@ noise) are controlled by `NSFNoise`.
 
 `inference` batches items of the same number of mel frames; a batched item then equals its own
 call up to float summation order (~1e-6). Items of different lengths go through
-`inference_padded` (offline rendering): right-padded, with every convolution's input masked to
-the item's length (so each conv sees the zeros its own padding would give), the NSF source made
-per item (its phase is a cumulative sum and its linear interpolation clamps at the item's end),
-the source's STFT fed the item's own reflection at its end, and the last iSTFT samples (whose
-window envelope would count padded frames) recomputed from the item's last frames. Each item
-then equals its own `inference` call up to float summation order.
+`inference_padded` (offline batches; streaming chunks of many streams, with their caches; and
+`render_padded`, its device half, is what hift_graphs.py captures as CUDA graphs): right-padded,
+with every convolution's input masked to the item's length (so each conv sees the zeros its own
+padding would give), the NSF phase holding each item's last phase over the padding (an item's own
+call clamps its interpolation there), each item's cache_source over its head, the source's STFT
+fed the item's own reflection at its end, and the last iSTFT samples (whose window envelope would
+count padded frames) recomputed from the item's last frames. Each item then equals its own
+`inference` call up to float summation order. The iSTFT is written out (`istft`) because
+torch.istft reads its window envelope back to the host, which a CUDA graph cannot capture.
 """
 from __future__ import annotations
 
@@ -122,6 +125,23 @@ def _draw_noise(noise: NoiseSpec, batch: int, length: int, dim: int, device: tor
     return ini, nz
 
 
+def istft(spec: Tensor, hop: int, window: Tensor) -> Tensor:
+    """torch.istft(spec, n_fft, hop, n_fft, window, center=True) for a onesided (B, n_fft/2+1, N)
+    spectrum, written out (inverse FFT, window, overlap-add, divide by the window envelope)
+    without torch.istft's check that the envelope is non-zero: that check reads the envelope back
+    to the host, which a CUDA graph cannot capture. A periodic Hann window with hop <= n_fft/2
+    (HiFT's) has no zero in the envelope."""
+    n_fft = window.numel()
+    n_frames = spec.shape[2]
+    frames = torch.fft.irfft(spec, n=n_fft, dim=1) * window.view(1, -1, 1)
+    total = n_fft + hop * (n_frames - 1)
+    y = F.fold(frames, (1, total), (1, n_fft), stride=(1, hop))[:, 0, 0]
+    envelope = F.fold(window.square().view(1, -1, 1).expand(1, -1, n_frames), (1, total), (1, n_fft),
+                      stride=(1, hop))[0, 0, 0]
+    pad = n_fft // 2
+    return y[:, pad:total - pad] / envelope[pad:total - pad]
+
+
 # --------------------------------------------------------------------------- F0 and source
 
 
@@ -157,7 +177,7 @@ class SineGen2(nn.Module):
         self.noise_std = noise_std
         self.voiced_threshold = voiced_threshold
 
-    def _phase_sines(self, f0_harm: Tensor, rand_ini: Tensor | None) -> Tensor:
+    def _phase_sines(self, f0_harm: Tensor, rand_ini: Tensor | None, frames: Tensor | None) -> Tensor:
         # Per-sample phase increment in cycles, then upstream's order: linear down to the frame
         # rate, cumulative sum, x2 x pi, x480, linear back up to the sample rate, sin.
         rad = (f0_harm / self.sampling_rate) % 1
@@ -165,6 +185,12 @@ class SineGen2(nn.Module):
             rad[:, 0, :] = rad[:, 0, :] + rand_ini
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear").transpose(1, 2)
         phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        if frames is not None:
+            # Right-padded items: an item's own call interpolates its last half frame against its
+            # last phase (the interpolation clamps at its end); the padding must hold that phase.
+            last = phase.gather(1, (frames - 1).clamp(min=0).view(-1, 1, 1).expand(-1, 1, phase.shape[2]))
+            inside = torch.arange(phase.shape[1], device=phase.device).view(1, -1, 1) < frames.view(-1, 1, 1)
+            phase = torch.where(inside, phase, last)
         phase = F.interpolate(phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale,
                               mode="linear").transpose(1, 2)
         return torch.sin(phase)
@@ -173,8 +199,14 @@ class SineGen2(nn.Module):
         """f0 (B, L, 1) Hz -> (sine waves (B, L, harmonics+1), uv (B, L, 1))."""
         batch, length, _ = f0.shape
         rand_ini, sine_noise = _draw_noise(noise, batch, length, self.dim, f0.device)
+        return self.with_draws(f0, rand_ini, sine_noise)
+
+    def with_draws(self, f0: Tensor, rand_ini: Tensor | None, sine_noise: Tensor | None,
+                   frames: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`forward` with its random draws given (`NSFNoise.draw`'s). frames (B,): right-padded
+        items' lengths in mel frames (f0 is at 480 samples a frame); None: every item is whole."""
         harmonics = torch.arange(1, self.dim + 1, dtype=torch.float32, device=f0.device).view(1, 1, -1)
-        sines = self._phase_sines(f0 * harmonics, rand_ini) * self.sine_amp
+        sines = self._phase_sines(f0 * harmonics, rand_ini, frames) * self.sine_amp
         uv = (f0 > self.voiced_threshold).to(torch.float32)
         if sine_noise is None:
             return sines * uv, uv
@@ -194,6 +226,12 @@ class SourceModuleHnNSF(nn.Module):
     def forward(self, f0: Tensor, noise: NoiseSpec = None) -> Tensor:
         """f0 (B, L, 1) -> source (B, L, 1)."""
         sines, _ = self.l_sin_gen(f0, noise)
+        return torch.tanh(self.l_linear(sines))
+
+    def with_draws(self, f0: Tensor, rand_ini: Tensor | None, sine_noise: Tensor | None,
+                   frames: Tensor | None = None) -> Tensor:
+        """`forward` with the sine generator's draws given (SineGen2.with_draws)."""
+        sines, _ = self.l_sin_gen.with_draws(f0, rand_ini, sine_noise, frames)
         return torch.tanh(self.l_linear(sines))
 
 
@@ -315,12 +353,12 @@ class HiFT(nn.Module):
         mag = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
         phase = torch.sin(x[:, bins:, :])
         spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
-        speech = torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self.stft_window)
+        speech = istft(spec, self.hop, self.stft_window)
         return torch.clamp(speech, -self.dims.audio_limit, self.dims.audio_limit)
 
     def decode_padded(self, mel: Tensor, source: Tensor, lengths: Tensor) -> Tensor:
         """`decode` of right-padded items: mel (B, 80, T) with lengths[b] valid frames, source
-        (B, 1, 480T) valid up to 480·lengths[b] and followed by its STFT reflection (`source_padded`).
+        (B, 1, 480T) valid up to 480·lengths[b] and followed by its STFT reflection (`render_padded`).
         Returns speech (B, 480T), item b exact up to 480·lengths[b] samples, zero after."""
         B, _, T = mel.shape
 
@@ -355,13 +393,12 @@ class HiFT(nn.Module):
         mag = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
         phase = torch.sin(x[:, bins:, :])
         spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)) * m
-        speech = torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self.stft_window)
+        speech = istft(spec, self.hop, self.stft_window)
         # The last samples' window envelope counts the (zero) padded frames: recompute them from
         # each item's last frames alone, where the envelope is its own call's.
         k = self.n_fft // self.hop + 4
         idx = (frames - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=mel.device)
-        tail = torch.istft(torch.gather(spec, 2, idx.unsqueeze(1).expand(-1, bins, -1)), self.n_fft, self.hop,
-                           self.n_fft, window=self.stft_window)
+        tail = istft(torch.gather(spec, 2, idx.unsqueeze(1).expand(-1, bins, -1)), self.hop, self.stft_window)
         keep = self.n_fft  # the tail call's last samples are far from its own left edge
         ends = (frames - 1) * self.hop
         pos = (ends.unsqueeze(1) - keep + torch.arange(keep, device=mel.device)).clamp(min=0)
@@ -369,40 +406,71 @@ class HiFT(nn.Module):
         speech = speech * mask(ends, speech.shape[1])[:, 0]
         return torch.clamp(speech, -self.dims.audio_limit, self.dims.audio_limit)
 
-    def source_padded(self, f0: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise],
-                      frames: int) -> Tensor:
-        """Each item's NSF source from its own f0 frames and noise (made per item: the phase is a
-        cumulative sum, and the interpolation clamps at the item's end), right-padded to
-        480·frames, followed by the reflection that its own STFT (center=True) would add."""
-        scale = self.upsample_scale
-        pad = self.n_fft // 2
-        source = f0.new_zeros(len(lengths), 1, scale * frames)
-        for b, (n, nz) in enumerate(zip(lengths, noise)):
-            s = self.source(f0[b:b + 1, :n], nz)[0, 0]
-            source[b, 0, :s.numel()] = s
-            reflect = s[-pad - 1:-1].flip(0)
-            end = min(s.numel() + pad, source.shape[2])
-            source[b, 0, s.numel():end] = reflect[:end - s.numel()]
-        return source
-
-    @torch.no_grad()
-    def inference_padded(self, mel: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise | None]
-                         ) -> tuple[Tensor, list[Tensor]]:
-        """Items of different lengths in one call (no cache_source: whole utterances).
-        mel (B, 80, T) right-padded, lengths[b] valid frames, one NSFNoise (None: torch's default
-        RNG) per item. Returns speech (B, 480T), item b's first 480·lengths[b] samples equal to
-        `inference(mel[b:b+1, :, :lengths[b]], None, noise[b])` up to float summation order (zero
-        after), and each item's source (1, 1, 480·lengths[b])."""
+    def padded_inputs(self, mel: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise | None],
+                      cache_source: Sequence[Tensor | None] | None = None) -> dict[str, Tensor]:
+        """`render_padded`'s inputs for right-padded items: mel (B, 80, T), lengths[b] valid
+        frames, one NSFNoise (None: torch's default RNG) and one cache_source (1, 1, S_b) or None
+        per item. Each item's NSF draws are its own call's (drawn at its own length), right-padded."""
         B, _, T = mel.shape
         if len(lengths) != B or len(noise) != B:
             raise ValueError(f"got {len(lengths)} lengths and {len(noise)} noises for a batch of {B}")
         if min(lengths) < 2 or max(lengths) > T:
             raise ValueError(f"item lengths must be within [2, {T}] frames, got {list(lengths)}")
-        n = torch.tensor(list(lengths), device=mel.device)
-        mask = (torch.arange(T, device=mel.device) < n.unsqueeze(1)).unsqueeze(1).to(mel.dtype)
+        caches = list(cache_source) if cache_source is not None else [None] * B
+        if len(caches) != B:
+            raise ValueError(f"got {len(caches)} cache_source rows for a batch of {B}")
+        dev, scale, dim = mel.device, self.upsample_scale, self.m_source.l_sin_gen.dim
+        cache_lens = [0 if c is None else c.shape[-1] for c in caches]
+        if any(c > scale * n for c, n in zip(cache_lens, lengths)):
+            raise ValueError(f"a cache_source is longer than its item ({cache_lens} samples, {list(lengths)} frames)")
+        rand_ini, sine_noise = mel.new_zeros(B, dim), mel.new_zeros(B, scale * T, dim)
+        for b, (n, z) in enumerate(zip(lengths, noise)):
+            ini, nz = (NSFNoise() if z is None else z).draw(1, scale * n, dim, dev)
+            if ini is not None:
+                rand_ini[b], sine_noise[b, :scale * n] = ini[0], nz[0]
+        cache = mel.new_zeros(B, 1, max(cache_lens))
+        for b, c in enumerate(caches):
+            if cache_lens[b]:
+                cache[b, 0, :cache_lens[b]] = c.reshape(-1)
+        return dict(mel=mel, lengths=torch.tensor(list(lengths), device=dev), rand_ini=rand_ini,
+                    sine_noise=sine_noise, cache=cache, cache_lens=torch.tensor(cache_lens, device=dev))
+
+    def render_padded(self, mel: Tensor, lengths: Tensor, rand_ini: Tensor, sine_noise: Tensor, cache: Tensor,
+                      cache_lens: Tensor) -> tuple[Tensor, Tensor]:
+        """Right-padded items in one call, from `padded_inputs`; no host syncs, so a CUDA graph can
+        capture it (hift_graphs.py). Returns speech (B, 480T), item b's first 480·lengths[b]
+        samples its own `inference` call's up to float summation order (zero after), and the
+        source (B, 1, 480T), item b's first 480·lengths[b] samples its own call's.
+
+        Every conv input is masked to the item's length; the NSF phase holds the item's last phase
+        over the padding; cache_source overwrites each item's head; the item's own STFT reflection
+        follows its end (decode_padded)."""
+        B, _, T = mel.shape
+        frame = torch.arange(T, device=mel.device)
+        mask = (frame < lengths.unsqueeze(1)).unsqueeze(1).to(mel.dtype)
         f0 = self.f0_predictor(mel * mask, mask)
-        source = self.source_padded(f0, lengths, [NSFNoise() if z is None else z for z in noise], T)
-        speech = self.decode_padded(mel, source, n)
+        f0_up = F.interpolate(f0[:, None], scale_factor=float(self.upsample_scale), mode="nearest")
+        source = self.m_source.with_draws(f0_up.transpose(1, 2), rand_ini, sine_noise, lengths).transpose(1, 2)
+        S = cache.shape[2]
+        if S:
+            head = (torch.arange(S, device=mel.device) < cache_lens.unsqueeze(1)).unsqueeze(1)
+            source = torch.cat([torch.where(head, cache, source[:, :, :S]), source[:, :, S:]], dim=2)
+        # the reflection of center=True: sample end + k is sample end - 2 - k
+        ends = (lengths * self.upsample_scale).view(-1, 1, 1)
+        at = torch.arange(source.shape[2], device=mel.device).view(1, 1, -1)
+        reflected = (at >= ends) & (at < ends + self.n_fft // 2)
+        index = torch.where(reflected, 2 * ends - 2 - at, at).clamp(0, source.shape[2] - 1)
+        source = source.gather(2, index.expand(B, 1, -1))
+        return self.decode_padded(mel, source, lengths), source
+
+    @torch.no_grad()
+    def inference_padded(self, mel: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise | None],
+                         cache_source: Sequence[Tensor | None] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """Items of different lengths in one call (`padded_inputs`, `render_padded`). Returns
+        speech (B, 480T), item b's first 480·lengths[b] samples equal to `inference(mel[b:b+1, :,
+        :lengths[b]], cache_source[b], noise[b])` up to float summation order (zero after), and
+        each item's source (1, 1, 480·lengths[b])."""
+        speech, source = self.render_padded(**self.padded_inputs(mel, lengths, noise, cache_source))
         scale = self.upsample_scale
         return speech, [source[b:b + 1, :, :scale * L] for b, L in enumerate(lengths)]
 

@@ -1,0 +1,171 @@
+"""HiFT over the chunks of many streams at once: one call per group of items, run as one CUDA graph
+per (items, frames) bucket.
+
+A streaming chunk's HiFT call (8 cached mel frames + the chunk's, its cache_source) launches about
+a thousand kernels from Python; streams' chunks have different lengths, and HiFT is not causal, so
+before this a batch of N streams made one such call per distinct length. `render_group` runs a
+group of items of different lengths as one right-padded call (`HiFT.inference_padded`: masks make
+each item its own call, up to float summation order), and with `HiFTGraphs` that call is one
+`graph.replay()` of `HiFT.render_padded` in its bucket; the NSF draws (each stream's own
+generator, at its own length) are made before the replay.
+
+Buckets: B items of at most T frames take the smallest item bucket >= B and T rounded up like the
+estimator's lengths (`length_bucket`, steps of >= `min_frame_step` frames: <= 12.5 % padding), for
+buckets of at most `max_bucket_frames` (items x frames); larger calls run eagerly. Extra rows are
+zero-length items (all masked). Graphs are captured on a bucket's first use (`warmup` captures
+chosen ones ahead) and share one memory pool. Off CUDA (`cuda_graphs=False`) the same padded call
+runs without a graph, which the tests use to check that bucket padding changes nothing.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .cuda_graph import CapturedCall, padded
+from .estimator.torch_backend import batch_bucket, length_bucket
+from .flow_graphs import DEFAULT_STREAM_BUCKETS
+from .models.hift import HiFT, NSFNoise
+
+log = logging.getLogger(__name__)
+
+HiFTOutput = tuple[Tensor, Tensor]  # speech (1, 480T), source (1, 1, 480T) of one item
+
+
+class HiFTGraphs:
+    """`HiFT.inference_padded`'s signature: runs a call in its bucket's graph, or, past the
+    buckets, eagerly."""
+
+    def __init__(self, hift: HiFT, *, cache_samples: int, cuda_graphs: bool | None = None,
+                 stream_buckets: Sequence[int] = DEFAULT_STREAM_BUCKETS, min_frame_step: int = 16,
+                 max_bucket_frames: int = 8192, max_graphs: int = 128):
+        """cache_samples: the longest cache_source a graph takes (the streams' source cache)."""
+        self.hift = hift
+        self.device = next(hift.parameters()).device
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; HiFT is on {self.device}")
+        self.cache_samples = cache_samples
+        self.stream_buckets = tuple(sorted(stream_buckets))
+        # a bucket holds the longest cache: at least that many frames
+        self.min_frames = -(-cache_samples // hift.upsample_scale)
+        self.min_frame_step = min_frame_step
+        self.max_bucket_frames = max_bucket_frames
+        self.max_graphs = max_graphs
+        self.graphs: dict[tuple[int, int], CapturedCall] = {}
+        self._pool = None
+        self.replays = 0    # calls that ran in a graph (or, off CUDA, padded to a bucket)
+        self.fallbacks = 0  # calls past the buckets
+
+    def bucket(self, items: int, frames: int) -> tuple[int, int] | None:
+        """(items, frames) of the bucket a call falls in, or None: it runs eagerly."""
+        B = batch_bucket(items, self.stream_buckets)
+        T = length_bucket(max(frames, self.min_frames), self.min_frame_step)
+        if B is None or B * T > self.max_bucket_frames:
+            return None
+        if self.cuda_graphs and (B, T) not in self.graphs and len(self.graphs) >= self.max_graphs:
+            return None
+        return B, T
+
+    @torch.inference_mode()
+    def __call__(self, mel: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise | None],
+                 cache_source: Sequence[Tensor | None] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """HiFT.inference_padded of right-padded items: speech (B, 480T') with T' >= max(lengths),
+        and each item's source (1, 1, 480·lengths[b])."""
+        B = mel.shape[0]
+        caches = list(cache_source) if cache_source is not None else [None] * B
+        bucket = self.bucket(B, max(lengths))
+        if bucket is None or any(c is not None and c.shape[-1] > self.cache_samples for c in caches):
+            self.fallbacks += 1
+            return self.hift.inference_padded(mel, lengths, noise, caches)
+        Bb, Tb = bucket
+        inputs = self.hift.padded_inputs(mel[:, :, :max(lengths)], lengths, noise, caches)
+        self.replays += 1
+        if not self.cuda_graphs:
+            speech, source = self.hift.render_padded(**{k: padded(v, self._buffer_shape(k, Bb, Tb, v))
+                                                        for k, v in inputs.items()})
+        else:
+            graph = self.graphs.get((Bb, Tb)) or self._capture(Bb, Tb, inputs)
+            speech, source = graph(**inputs)
+        # clones: the next replay (of any graph in the pool) overwrites the outputs
+        scale = self.hift.upsample_scale
+        return speech[:B].clone(), [source[b:b + 1, :, :scale * n].clone() for b, n in enumerate(lengths)]
+
+    def warmup(self, items: Sequence[int], frames: Sequence[int]) -> int:
+        """Capture the buckets of these item counts x frame counts now (those past the buckets
+        are skipped). Returns how many graphs were new."""
+        new = 0
+        if not self.cuda_graphs:
+            return new
+        for b in items:
+            for t in frames:
+                bucket = self.bucket(b, t)
+                if bucket is None or bucket in self.graphs:
+                    continue
+                Bb, Tb = bucket
+                mel = torch.zeros(Bb, self.hift.dims.in_channels, Tb, device=self.device)
+                with torch.inference_mode():
+                    self._capture(Bb, Tb, self.hift.padded_inputs(mel, [Tb] * Bb, [NSFNoise.zero()] * Bb))
+                new += 1
+        return new
+
+    # -- internals
+
+    def _buffer_shape(self, name: str, Bb: int, Tb: int, example: Tensor) -> tuple[int, ...]:
+        """The static shape of input `name` in bucket (Bb, Tb)."""
+        if name == "mel":
+            return Bb, example.shape[1], Tb
+        if name == "sine_noise":
+            return Bb, self.hift.upsample_scale * Tb, example.shape[2]
+        if name == "cache":
+            return Bb, 1, self.cache_samples
+        return (Bb,) + tuple(example.shape[1:])
+
+    def _capture(self, Bb: int, Tb: int, inputs: dict[str, Tensor]) -> CapturedCall:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        log.info("capturing the HiFT CUDA graph for %d items x %d frames", Bb, Tb)
+        buffers = {name: torch.zeros(self._buffer_shape(name, Bb, Tb, v), dtype=v.dtype, device=self.device)
+                   for name, v in inputs.items()}
+        graph = self.graphs[(Bb, Tb)] = CapturedCall(self.hift.render_padded, buffers, self.device, self._pool)
+        return graph
+
+
+def render_group(hift: HiFT, graphs: HiFTGraphs | None, mels: Sequence[Tensor], caches: Sequence[Tensor | None],
+                 noise: Sequence[NSFNoise | None]) -> list[HiFTOutput]:
+    """HiFT of one group of items, mel (1, 80, T_b) each, with their cache_source (1, 1, S) or None
+    and NSF noise: in a graph where `graphs` has a bucket for it, else one plain batched call when
+    the lengths are equal, else one padded call. Items too short to pad (< 2 frames: HiFT's
+    reflection needs 2) run alone. Returns (speech (1, 480T_b), source (1, 1, 480T_b)) per item."""
+    frames = [m.shape[2] for m in mels]
+    out: list[HiFTOutput | None] = [None] * len(mels)
+    short = [i for i, n in enumerate(frames) if n < 2]
+    for i in short:
+        m = mels[i]
+        out[i] = (m.new_zeros(1, 0), m.new_zeros(1, 1, 0)) if frames[i] == 0 else \
+            hift.inference(m, caches[i], noise[i] or NSFNoise())
+    rest = [i for i, n in enumerate(frames) if n >= 2]
+    if not rest:
+        return out  # type: ignore[return-value]
+    rest_frames = [frames[i] for i in rest]
+    rest_noise = [noise[i] or NSFNoise() for i in rest]
+    rest_caches = [caches[i] for i in rest]
+    if graphs is None and len(set(rest_frames)) == 1:  # equal lengths: the plain batched call
+        mel = torch.cat([mels[i] for i in rest])
+        if len(rest) == 1:
+            speech, source = hift.inference(mel, rest_caches[0], rest_noise[0])
+        else:
+            speech, source = hift.inference(mel, rest_caches, rest_noise)
+        sources = [source[k:k + 1] for k in range(len(rest))]
+    else:
+        mel = mels[rest[0]].new_zeros(len(rest), mels[rest[0]].shape[1], max(rest_frames))
+        for k, i in enumerate(rest):
+            mel[k, :, :frames[i]] = mels[i][0]
+        run = graphs if graphs is not None else hift.inference_padded
+        speech, sources = run(mel, rest_frames, rest_noise, rest_caches)
+    for k, i in enumerate(rest):
+        out[i] = (speech[k:k + 1, :hift.upsample_scale * frames[i]], sources[k])
+    return out  # type: ignore[return-value]
+
