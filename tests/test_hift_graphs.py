@@ -147,15 +147,13 @@ def test_streams_of_different_chunk_lengths_share_a_call(models):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_captured_graphs_match_the_eager_padded_call(tiny_dir, golden_dir):
+def test_captured_graphs_match_the_eager_padded_call(tiny_dir):
     models = build_models(load_model_dir(tiny_dir), device="cuda")
     hift = models.hift
     graphs = HiFTGraphs(hift, cache_samples=CACHE)
     assert graphs.warmup([1, 4], [40, 128]) == 4
-    g = np.load(golden_dir / "hift.npz")
-    mel = torch.cat([torch.from_numpy(g["mel1"]), torch.from_numpy(g["mel2"])], dim=2)
-    mel = torch.cat([mel, mel.flip(2)], dim=2).cuda()
     gen = torch.Generator().manual_seed(7)
+    mel = (2 * torch.randn(1, 80, max(LENGTHS), generator=gen) - 4).cuda()  # a log-mel's range
     for lengths in (LENGTHS, LENGTHS[:1], LENGTHS[1:4], [38] * 3):
         mels = [mel[:, :, :n] * (1 + 0.1 * b) for b, n in enumerate(lengths)]
         caches = [None if b == 0 else (0.1 * torch.randn(1, 1, CACHE, generator=gen)).cuda() for b in range(len(lengths))]
