@@ -19,7 +19,8 @@ Steps (each timed; the results say how long):
    free local ports filled in; start-up time = spawn until health turns SERVING;
 4. a speaker registered over gRPC from a generated 6 s prompt (150 prompt tokens); the first
    request after SERVING (cold) is timed on its own;
-5. warm-up: one untimed round at the largest level with short requests;
+5. warm-up: one untimed round of short requests at each closed-loop level (the speaker registered
+   while serving was warmed at 1-8 streams only; step 4 measured the cold path);
 6. the closed-loop sweep 1, 4, 16, 32, 64 streams of 250 forced tokens (10 s of audio),
    requests per level 4, 8, 32, 64, 128, each level stopped after --max-level-seconds;
 7. the open-loop capacity search: Poisson arrivals of the same 10-s requests, doubling the rate
@@ -333,7 +334,7 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
         results["first_request"] = cold
 
         async def warm():
-            phases["warmup_s"] = await bench.warm_up(target, workload, max(plan["levels"]), progress)
+            phases["warmup_s"] = await bench.warm_up(target, workload, plan["levels"], progress)
 
         async def sweep():
             results["levels"] = []

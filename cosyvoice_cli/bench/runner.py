@@ -83,13 +83,16 @@ def _level_brief(level: dict) -> str:
         f"  underruns {ur['late_chunks']} ({ur['requests_with_underruns']} req)"
 
 
-async def warm_up(target: Target, workload: Workload, concurrency: int, progress: Progress | None = None) -> float:
-    """One untimed round at `concurrency` with short requests (so every batch shape the sweep
-    meets has run once). Returns its wall time."""
+async def warm_up(target: Target, workload: Workload, levels: Sequence[int], progress: Progress | None = None) -> float:
+    """One untimed round of short requests at each of `levels` concurrent streams, so the batch
+    shapes the sweep meets have run once: a server captures a CUDA graph on a shape's first use,
+    and a speaker registered while serving is warmed at a few stream counts only. Returns the wall
+    time."""
     short = dataclasses.replace(workload, tokens=min(workload.tokens, 60) if workload.tokens else None)
     t = time.monotonic()
-    await run_level(target, short, concurrency, concurrency, progress=progress, label=f"warm-up x{concurrency}",
-                    detail=False)
+    for concurrency in sorted(set(levels)):
+        await run_level(target, short, concurrency, concurrency, progress=progress, label=f"warm-up x{concurrency}",
+                        detail=False)
     return time.monotonic() - t
 
 

@@ -109,11 +109,10 @@ async def _run_levels(results: dict, target: Target, workload: Workload, levels:
                       warmup: bool, progress: Progress, max_level_seconds: float | None,
                       stages: StageCounters | None = None, detail: bool = True,
                       open_loop: OpenLoopPlan | None = None) -> None:
-    """The part every target shares: an untimed round at the highest closed-loop level, the
+    """The part every target shares: an untimed round at each closed-loop level, the
     closed-loop sweep, then the open-loop levels and the capacity search."""
     if warmup:
-        results["meta"]["warmup_s"] = await warm_up(target, workload, max(levels or [DEFAULT_WARMUP_CONCURRENCY]),
-                                                    progress)
+        results["meta"]["warmup_s"] = await warm_up(target, workload, levels or [DEFAULT_WARMUP_CONCURRENCY], progress)
     results["levels"] = await run_sweep(target, workload, levels, requests, progress=progress,
                                         max_level_seconds=max_level_seconds, stages=stages, detail=detail)
     if open_loop is None:
