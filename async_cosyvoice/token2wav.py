@@ -9,7 +9,7 @@ Two halves, kept apart so a cross-stream batcher can run many streams' chunks to
 - run: `Token2WavRunner.run_many(jobs)` computes jobs of many streams with a Flow and a HiFT module:
       flow mel  = Flow.forward over padded length groups (batched across streams)
       mel, cache = stream.hift_input(job, flow mel)      (pure)
-      speech, source = hift.inference(mel, cache)        (batched over padded length groups)
+      speech, source = render_group(hift, mels, caches)  (one padded call per length group)
       samples = stream.finish(job, mel, speech, source)  (cross-fade, caches, advance)
 
 Schedule (facts sheet §5, upstream `CosyVoice2Model.tts` / `token2wav`), except that the hop
@@ -627,7 +627,7 @@ class Token2WavRunner:
         hift_out: list[HiFTOutput | None] = [None] * len(jobs)
         for group in length_groups([mel.shape[2] for mel, _ in inputs], self.length_bucket_ratio):
             group_out = render_group(self.hift, self.hift_graphs, [inputs[i][0] for i in group],
-                                [inputs[i][1] for i in group], [jobs[i].stream.noise for i in group])
+                                     [inputs[i][1] for i in group], [jobs[i].stream.noise for i in group])
             self.stats.hift_calls += 1
             self.stats.hift_items += len(group)
             for i, out in zip(group, group_out):

@@ -24,16 +24,14 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     t2w = config.token2wav
     estimator = estimator_from_config(t2w, models.flow, flow_pt=model_dir.path / "flow.pt")
     device = next(models.flow.parameters()).device
-    flow_graphs = hift_graphs = None
-    if (t2w.flow_graphs or t2w.hift_graphs) and device.type != "cuda":
+    on_cuda = device.type == "cuda"
+    if (t2w.flow_graphs or t2w.hift_graphs) and not on_cuda:
         log.info("token2wav flow_graphs / hift_graphs: CUDA graphs need a CUDA device; on %s they are off", device)
-    elif device.type == "cuda":
-        if t2w.flow_graphs:
-            flow_graphs = FlowGraphs(models.flow, estimator.capturable, estimator,
-                                     max_bucket_tokens=t2w.flow_graph_max_tokens)
-        if t2w.hift_graphs:
-            cache = ChunkSchedule(samples_per_frame=models.hift.upsample_scale).source_cache_len
-            hift_graphs = HiFTGraphs(models.hift, cache_samples=cache, max_bucket_frames=t2w.hift_graph_max_frames)
+    flow_graphs = (FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens)
+                   if t2w.flow_graphs and on_cuda else None)
+    cache_samples = ChunkSchedule(samples_per_frame=models.hift.upsample_scale).source_cache_len
+    hift_graphs = (HiFTGraphs(models.hift, cache_samples=cache_samples, max_bucket_frames=t2w.hift_graph_max_frames)
+                   if t2w.hift_graphs and on_cuda else None)
     runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
                              max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final,
