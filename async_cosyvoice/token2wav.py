@@ -611,7 +611,7 @@ class Token2WavRunner:
 
     @torch.no_grad()
     def run_many(self, jobs: Sequence[Token2WavJob]) -> list[Tensor]:
-        """Compute jobs of distinct streams (flow by length group, HiFT by equal mel length), apply
+        """Compute jobs of distinct streams (flow by length group, HiFT by length group too), apply
         each to its stream, and return each job's samples (1-D float32, CPU)."""
         if len({id(j.stream) for j in jobs}) != len(jobs):
             raise ValueError("run_many takes at most one job per stream (a stream's chunks are sequential)")
