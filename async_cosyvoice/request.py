@@ -176,6 +176,12 @@ class AudioChunk:
     segment_tokens: tuple[int, ...] = ()  # on a segment's last chunk: the speech tokens it rendered
     timeline: "Timeline | None" = None    # on a segment's last chunk: that segment's timeline
 
+    @property
+    def first_segment_timeline(self) -> "Timeline | None":
+        """The first text segment's timeline, on that segment's last chunk (what a request's first
+        chunk went through); None on every other chunk."""
+        return self.timeline if self.segment_index == 0 else None
+
 
 @dataclass
 class ChunkTiming:
@@ -198,3 +204,13 @@ class Timeline:
     @property
     def first_chunk_s(self) -> float | None:
         return self.chunks[0].done - self.submitted if self.chunks and self.chunks[0].done else None
+
+    def first_chunk_parts(self) -> str | None:
+        """Where the first chunk's time went, for a log line (ms): `tokens` from submission until its
+        speech tokens were there (LM prefill and steps), `wait` for a token2wav batch to take it,
+        `t2w` its batch; None if it was not rendered."""
+        c = self.chunks[0] if self.chunks else None
+        if c is None or not (c.queued and c.started and c.done):
+            return None
+        return (f"tokens:{(c.queued - self.submitted) * 1e3:.1f},wait:{(c.started - c.queued) * 1e3:.1f},"
+                f"t2w:{(c.done - c.started) * 1e3:.1f}")

@@ -25,7 +25,7 @@ from async_cosyvoice.errors import (CosyVoiceError, EngineDead, InvalidRequest, 
 from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
 from async_cosyvoice.heap import HeapTrimmer
 from async_cosyvoice.limiter import StreamLimiter
-from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest
+from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest, Timeline
 from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord
 from async_cosyvoice.tts import Synthesizer
 
@@ -86,6 +86,7 @@ class _Call:
         self.tokens = 0
         self.audio_seconds = 0.0
         self.chunks = 0
+        self.first_timeline: Timeline | None = None  # the first text segment's (its log line's first_chunk_parts)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -244,11 +245,12 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         level = logging.INFO if call.status in ("OK", "CANCELLED") else logging.WARNING
         log.log(level,
                 "rpc method=%s id=%s mode=%s stream=%s status=%s latency_ms=%.1f first_chunk_ms=%s "
-                "audio_s=%.3f tokens=%d chunks=%d peer=%s%s%s",
+                "first_chunk_parts=%s audio_s=%.3f tokens=%d chunks=%d peer=%s%s%s",
                 call.method, call.request_id, call.mode, stream, call.status, elapsed * 1e3,
-                "-" if first is None else f"{first * 1e3:.1f}", call.audio_seconds, call.tokens,
-                call.chunks, call.context.peer(), f" speaker={call.speaker_id!r}" if call.speaker_id else "",
-                f" detail={call.detail!r}" if call.detail else "")
+                "-" if first is None else f"{first * 1e3:.1f}",
+                (call.first_timeline and call.first_timeline.first_chunk_parts()) or "-", call.audio_seconds,
+                call.tokens, call.chunks, call.context.peer(),
+                f" speaker={call.speaker_id!r}" if call.speaker_id else "", f" detail={call.detail!r}" if call.detail else "")
 
     # ---- request conversion ----
 
@@ -331,6 +333,7 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             async for chunk in chunks:
                 if chunk.is_final:
                     call.tokens += int(chunk.n_tokens)
+                call.first_timeline = call.first_timeline or chunk.first_segment_timeline
                 await self._emit(call, out, chunk.samples, chunk.is_final)
                 if chunk.is_final:
                     break

@@ -6,6 +6,8 @@ import logging
 import time
 import uuid
 
+from async_cosyvoice.request import Timeline
+
 from .errors import INTERNAL, status_for
 
 log = logging.getLogger("http_api")
@@ -31,8 +33,11 @@ class HttpCall:
         self.tokens = 0
         self.chunks = 0
         self.bytes_out = 0
+        self.first_timeline: Timeline | None = None  # the first text segment's (first_chunk_parts)
 
-    def chunk(self, num_samples: int, sample_rate: int, encoded: int) -> None:
+    def chunk(self, num_samples: int, sample_rate: int, encoded: int, timeline: Timeline | None = None) -> None:
+        """One chunk sent; timeline: the chunk's `first_segment_timeline`."""
+        self.first_timeline = self.first_timeline or timeline
         self.chunks += 1
         self.bytes_out += encoded
         self.audio_seconds += num_samples / sample_rate
@@ -74,8 +79,10 @@ class HttpCall:
         level = logging.INFO if self.status in ("200", "CANCELLED") else logging.WARNING
         log.log(level,
                 "http method=%r id=%s mode=%s stream=%s format=%s status=%s latency_ms=%.1f first_chunk_ms=%s "
-                "audio_s=%.3f tokens=%d chunks=%d bytes=%d peer=%s%s%s",
+                "first_chunk_parts=%s audio_s=%.3f tokens=%d chunks=%d bytes=%d peer=%s%s%s",
                 self.method, self.request_id, self.mode, stream, self.format or "-", self.status, elapsed * 1e3,
-                "-" if first is None else f"{first * 1e3:.1f}", self.audio_seconds, self.tokens, self.chunks,
+                "-" if first is None else f"{first * 1e3:.1f}",
+                (self.first_timeline and self.first_timeline.first_chunk_parts()) or "-",
+                self.audio_seconds, self.tokens, self.chunks,
                 self.bytes_out, self.peer, f" voice={self.voice!r}" if self.voice else "",
                 f" detail={self.detail!r}" if self.detail else "")

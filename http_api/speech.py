@@ -126,7 +126,7 @@ async def create_speech(body: SpeechRequest, request: Request):
         chunk: AudioChunk | None = first
         while chunk is not None:
             data = await audio.encode(chunk.samples)
-            call.chunk(len(chunk.samples), chunk.sample_rate, len(data))
+            call.chunk(len(chunk.samples), chunk.sample_rate, len(data), chunk.first_segment_timeline)
             if data:
                 yield data
             if chunk.is_final:

@@ -181,7 +181,7 @@ class _Session:
                 if chunk.is_final:
                     data += await audio.finish()
                     call.tokens = int(chunk.n_tokens)
-                call.chunk(len(chunk.samples), chunk.sample_rate, len(data))
+                call.chunk(len(chunk.samples), chunk.sample_rate, len(data), chunk.first_segment_timeline)
                 await self.ws.send_text(json.dumps({
                     "type": "audio", "index": chunk.index, "sample_offset": chunk.sample_offset,
                     "num_samples": len(chunk.samples), "is_final": chunk.is_final,

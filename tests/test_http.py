@@ -11,6 +11,8 @@ import asyncio
 import base64
 import io
 import json
+import logging
+import re
 import shutil
 import threading
 import time
@@ -236,6 +238,22 @@ def test_sse_events(http, reference_pcm):
     assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert len(audio) // 2 == len(reference_pcm)
+
+
+def test_log_line_says_where_the_first_chunk_went(http, caplog):
+    """As on gRPC: the request's log line splits the first chunk into tokens, wait and t2w (ms)."""
+    with caplog.at_level(logging.INFO, logger="http_api"):
+        r = http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": TEXT,
+                                                "response_format": "pcm", "seed": 7})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 10  # the line is written once the response has gone out
+        while time.monotonic() < deadline and not [m for m in caplog.messages if "POST /v1/audio/speech" in m]:
+            time.sleep(0.05)
+    (line,) = [m for m in caplog.messages if "POST /v1/audio/speech" in m]
+    parts = re.search(r"first_chunk_parts=tokens:([0-9.]+),wait:([0-9.]+),t2w:([0-9.]+) ", line)
+    assert parts, line
+    first_ms = float(re.search(r"first_chunk_ms=([0-9.]+)", line).group(1))
+    assert sum(float(v) for v in parts.groups()) <= first_ms + 1.0, line
 
 
 def test_instructions_and_speed(http):
@@ -583,3 +601,4 @@ async def _stop_later(st: ServerThread) -> asyncio.Future:
 
 async def _wait(future: asyncio.Future):
     return await future
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import re
 import time
 import urllib.request
@@ -414,6 +415,33 @@ def test_same_seed_same_audio(server):
     a = run(_synth(server, "Same.", mode="sft", speaker_id="tiny_sft_spk", seed=11, encoding="float32"))
     b = run(_synth(server, "Same.", mode="sft", speaker_id="tiny_sft_spk", seed=11, encoding="float32"))
     np.testing.assert_array_equal(_decode(a), _decode(b))
+
+
+def test_log_line_says_where_the_first_chunk_went(server, caplog):
+    """The RPC's log line splits the first chunk: until its speech tokens were there, waiting for a
+    token2wav batch, the batch; together they are at most the first-chunk latency the client saw."""
+    with caplog.at_level(logging.INFO, logger="grpc_async.server"):
+        chunks = run(_synth(server, TEXT, mode="sft", speaker_id="tiny_sft_spk", seed=3, stream=True,
+                            request_id="parts-1"))
+    check_response(chunks)
+    (line,) = [r.getMessage() for r in caplog.records if "id=parts-1 " in r.getMessage()]
+    first_ms = float(re.search(r"first_chunk_ms=([0-9.]+)", line).group(1))
+    parts = dict(p.split(":") for p in re.search(r"first_chunk_parts=(\S+)", line).group(1).split(","))
+    assert set(parts) == {"tokens", "wait", "t2w"}, line
+    values = {k: float(v) for k, v in parts.items()}
+    assert all(v >= 0 for v in values.values()) and values["tokens"] > 0 and values["t2w"] > 0
+    assert sum(values.values()) <= first_ms + 1.0, line
+
+
+def test_first_chunk_parts_need_a_rendered_first_chunk():
+    from async_cosyvoice.request import ChunkTiming, Timeline
+
+    timeline = Timeline(submitted=10.0)
+    assert timeline.first_chunk_parts() is None
+    timeline.chunks.append(ChunkTiming(queued=10.05, started=10.06))
+    assert timeline.first_chunk_parts() is None  # not back yet
+    timeline.chunks[0].done = 10.1
+    assert timeline.first_chunk_parts() == "tokens:50.0,wait:10.0,t2w:40.0"
 
 
 # ---- compressed encodings, GetServerInfo, error details (issue 12) ----
