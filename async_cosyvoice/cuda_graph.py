@@ -1,5 +1,5 @@
 """One function captured as a CUDA graph at fixed input shapes: the flow estimator's buckets
-(estimator/torch_backend.py) and the whole flow call's (flow_graphs.py) are both this.
+(estimator/torch_backend.py) and the flow's and HiFT's bucketed graphs (graph_buckets.py) are all this.
 
 The inputs are static buffers. A call zeroes each buffer, copies its argument into the leading
 corner (an argument may be smaller than its buffer in every dimension: that is the padding),

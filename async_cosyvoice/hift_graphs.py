@@ -13,61 +13,37 @@ Buckets: B items of at most T frames take the smallest item bucket >= B and T ro
 estimator's lengths (`length_bucket`, steps of >= `min_frame_step` frames: <= 12.5 % padding), for
 buckets of at most `max_bucket_frames` (items x frames); larger calls run eagerly. Extra rows are
 zero-length items (all masked). Graphs are captured on a bucket's first use (`warmup` captures
-chosen ones ahead) and share one memory pool. Off CUDA (`cuda_graphs=False`) the same padded call
+chosen ones ahead) and share one memory pool (graph_buckets.py, as the flow's). Off CUDA (`cuda_graphs=False`) the same padded call
 runs without a graph, which the tests use to check that bucket padding changes nothing.
 """
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .cuda_graph import CapturedCall, padded
-from .estimator.torch_backend import batch_bucket, length_bucket
-from .flow_graphs import DEFAULT_STREAM_BUCKETS
+from .graph_buckets import DEFAULT_STREAM_BUCKETS, Bucket, GraphBuckets
 from .models.hift import HiFT, NSFNoise
-
-log = logging.getLogger(__name__)
 
 HiFTOutput = tuple[Tensor, Tensor]  # speech (1, 480T), source (1, 1, 480T) of one item
 
 
-class HiFTGraphs:
+class HiFTGraphs(GraphBuckets):
     """`HiFT.inference_padded`'s signature: runs a call in its bucket's graph, or, past the
     buckets, eagerly."""
+    what, unit = "HiFT", "frames"
 
     def __init__(self, hift: HiFT, *, cache_samples: int, cuda_graphs: bool | None = None,
                  stream_buckets: Sequence[int] = DEFAULT_STREAM_BUCKETS, min_frame_step: int = 16,
                  max_bucket_frames: int = 8192, max_graphs: int = 128):
         """cache_samples: the longest cache_source a graph takes (the streams' source cache)."""
-        self.hift = hift
-        self.device = next(hift.parameters()).device
-        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        if self.cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; HiFT is on {self.device}")
-        self.cache_samples = cache_samples
-        self.stream_buckets = tuple(sorted(stream_buckets))
         # a bucket holds the longest cache: at least that many frames
-        self.min_frames = -(-cache_samples // hift.upsample_scale)
-        self.min_frame_step = min_frame_step
-        self.max_bucket_frames = max_bucket_frames
-        self.max_graphs = max_graphs
-        self.graphs: dict[tuple[int, int], CapturedCall] = {}
-        self._pool = None
-        self.replays = 0    # calls that ran in a graph (or, off CUDA, padded to a bucket)
-        self.fallbacks = 0  # calls past the buckets
-
-    def bucket(self, items: int, frames: int) -> tuple[int, int] | None:
-        """(items, frames) of the bucket a call falls in, or None: it runs eagerly."""
-        B = batch_bucket(items, self.stream_buckets)
-        T = length_bucket(max(frames, self.min_frames), self.min_frame_step)
-        if B is None or B * T > self.max_bucket_frames:
-            return None
-        if self.cuda_graphs and (B, T) not in self.graphs and len(self.graphs) >= self.max_graphs:
-            return None
-        return B, T
+        super().__init__(next(hift.parameters()).device, cuda_graphs=cuda_graphs, stream_buckets=stream_buckets,
+                         min_step=min_frame_step, max_bucket_size=max_bucket_frames, max_graphs=max_graphs,
+                         min_length=-(-cache_samples // hift.upsample_scale))
+        self.hift = hift
+        self.cache_samples = cache_samples
 
     @torch.inference_mode()
     def __call__(self, mel: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise | None],
@@ -80,41 +56,18 @@ class HiFTGraphs:
         if bucket is None or any(c is not None and c.shape[-1] > self.cache_samples for c in caches):
             self.fallbacks += 1
             return self.hift.inference_padded(mel, lengths, noise, caches)
-        Bb, Tb = bucket
-        inputs = self.hift.padded_inputs(mel[:, :, :max(lengths)], lengths, noise, caches)
-        self.replays += 1
-        if not self.cuda_graphs:
-            speech, source = self.hift.render_padded(**{k: padded(v, self._buffer_shape(k, Bb, Tb, v))
-                                                        for k, v in inputs.items()})
-        else:
-            graph = self.graphs.get((Bb, Tb)) or self._capture(Bb, Tb, inputs)
-            speech, source = graph(**inputs)
+        speech, source = self._run(bucket, self.hift.padded_inputs(mel[:, :, :max(lengths)], lengths, noise, caches))
         # clones: the next replay (of any graph in the pool) overwrites the outputs
         scale = self.hift.upsample_scale
         return speech[:B].clone(), [source[b:b + 1, :, :scale * n].clone() for b, n in enumerate(lengths)]
 
-    def warmup(self, items: Sequence[int], frames: Sequence[int]) -> int:
-        """Capture the buckets of these item counts x frame counts now (those past the buckets
-        are skipped). Returns how many graphs were new."""
-        new = 0
-        if not self.cuda_graphs:
-            return new
-        for b in items:
-            for t in frames:
-                bucket = self.bucket(b, t)
-                if bucket is None or bucket in self.graphs:
-                    continue
-                Bb, Tb = bucket
-                mel = torch.zeros(Bb, self.hift.dims.in_channels, Tb, device=self.device)
-                with torch.inference_mode():
-                    self._capture(Bb, Tb, self.hift.padded_inputs(mel, [Tb] * Bb, [NSFNoise.zero()] * Bb))
-                new += 1
-        return new
+    # -- GraphBuckets
 
-    # -- internals
+    def _fn(self, bucket: Bucket):
+        return self.hift.render_padded
 
-    def _buffer_shape(self, name: str, Bb: int, Tb: int, example: Tensor) -> tuple[int, ...]:
-        """The static shape of input `name` in bucket (Bb, Tb)."""
+    def _buffer_shape(self, name: str, bucket: Bucket, example: Tensor) -> tuple[int, ...]:
+        Bb, Tb = bucket
         if name == "mel":
             return Bb, example.shape[1], Tb
         if name == "sine_noise":
@@ -123,14 +76,10 @@ class HiFTGraphs:
             return Bb, 1, self.cache_samples
         return (Bb,) + tuple(example.shape[1:])
 
-    def _capture(self, Bb: int, Tb: int, inputs: dict[str, Tensor]) -> CapturedCall:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        log.info("capturing the HiFT CUDA graph for %d items x %d frames", Bb, Tb)
-        buffers = {name: torch.zeros(self._buffer_shape(name, Bb, Tb, v), dtype=v.dtype, device=self.device)
-                   for name, v in inputs.items()}
-        graph = self.graphs[(Bb, Tb)] = CapturedCall(self.hift.render_padded, buffers, self.device, self._pool)
-        return graph
+    def _example(self, bucket: Bucket) -> dict[str, Tensor]:
+        Bb, Tb = bucket
+        mel = torch.zeros(Bb, self.hift.dims.in_channels, Tb, device=self.device)
+        return self.hift.padded_inputs(mel, [Tb] * Bb, [NSFNoise.zero()] * Bb)
 
 
 def render_group(hift: HiFT, graphs: HiFTGraphs | None, mels: Sequence[Tensor], caches: Sequence[Tensor | None],

@@ -1,0 +1,110 @@
+"""Calls captured as CUDA graphs by (streams, length) bucket, for the whole flow call (flow_graphs.py)
+and HiFT (hift_graphs.py).
+
+A call of B streams of length L takes the smallest stream bucket >= B and L rounded up like the
+estimator's lengths (`length_bucket`, steps of >= `min_step`: <= 12.5 % padding), for buckets of at
+most `max_bucket_size` streams x length and at most `max_graphs` graphs; past that the caller runs
+it without a graph. A bucket's graph is captured on its first call (`warmup` captures chosen ones
+ahead), and all of them share one memory pool, so each call's outputs are overwritten by the next
+replay: callers copy out what they keep. Off CUDA (`cuda_graphs=False`) the call runs on inputs
+padded to the bucket, without a graph: the tests use it to check that padding changes nothing.
+
+A subclass says what runs in a bucket (`_fn`), the static shape of each input there
+(`_buffer_shape`) and inputs to capture it with (`_example`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .cuda_graph import CapturedCall, padded
+from .estimator.torch_backend import batch_bucket, length_bucket
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STREAM_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+Bucket = tuple[int, int]  # (streams, length)
+
+
+class GraphBuckets:
+    what = "call"     # for the log: "capturing the <what> CUDA graph for B streams x T <unit>"
+    unit = "positions"
+
+    def __init__(self, device: torch.device, *, cuda_graphs: bool | None, stream_buckets: Sequence[int],
+                 min_step: int, max_bucket_size: int, max_graphs: int, min_length: int = 1):
+        """min_length: the shortest length a bucket has (shorter calls are padded to it)."""
+        self.device = device
+        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the {self.what} is on {device}")
+        self.stream_buckets = tuple(sorted(stream_buckets))
+        self.min_step = min_step
+        self.max_bucket_size = max_bucket_size
+        self.max_graphs = max_graphs
+        self.min_length = min_length
+        self.graphs: dict[Bucket, CapturedCall] = {}
+        self._pool = None
+        self.replays = 0    # calls that ran in a graph (or, off CUDA, padded to a bucket)
+        self.fallbacks = 0  # calls past the buckets
+
+    def bucket(self, streams: int, length: int) -> Bucket | None:
+        """The bucket a call falls in, or None: it runs without a graph."""
+        B = batch_bucket(streams, self.stream_buckets)
+        T = length_bucket(max(length, self.min_length), self.min_step)
+        if B is None or B * T > self.max_bucket_size:
+            return None
+        if self.cuda_graphs and (B, T) not in self.graphs and len(self.graphs) >= self.max_graphs:
+            return None
+        return B, T
+
+    def warmup(self, streams: Sequence[int], lengths: Sequence[int]) -> int:
+        """Capture the buckets of these stream counts x lengths now (those past the buckets are
+        skipped). Returns how many graphs were new."""
+        new = 0
+        if not self.cuda_graphs:
+            return new
+        for b in streams:
+            for t in lengths:
+                bucket = self.bucket(b, t)
+                if bucket is None or bucket in self.graphs:
+                    continue
+                with torch.inference_mode():
+                    self._capture(bucket, self._example(bucket))
+                new += 1
+        return new
+
+    def _run(self, bucket: Bucket, inputs: dict[str, Tensor]) -> Any:
+        """The bucket's call on `inputs` (each at most the bucket's shape): its graph replayed
+        (captured now if new), or off CUDA the call on inputs padded to the bucket."""
+        self.replays += 1
+        if not self.cuda_graphs:
+            return self._fn(bucket)(**{name: padded(v, self._buffer_shape(name, bucket, v)) for name, v in inputs.items()})
+        graph = self.graphs.get(bucket) or self._capture(bucket, inputs)
+        return graph(**inputs)
+
+    def _capture(self, bucket: Bucket, inputs: dict[str, Tensor]) -> CapturedCall:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        log.info("capturing the %s CUDA graph for %d streams x %d %s", self.what, *bucket, self.unit)
+        buffers = self._buffers(bucket, inputs)
+        graph = self.graphs[bucket] = CapturedCall(self._fn(bucket), buffers, self.device, self._pool)
+        return graph
+
+    def _buffers(self, bucket: Bucket, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The bucket's static input buffers, zeros (what padding holds)."""
+        return {name: torch.zeros(self._buffer_shape(name, bucket, v), dtype=v.dtype, device=self.device)
+                for name, v in inputs.items()}
+
+    # -- what a subclass says
+
+    def _fn(self, bucket: Bucket) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def _buffer_shape(self, name: str, bucket: Bucket, example: Tensor) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _example(self, bucket: Bucket) -> dict[str, Tensor]:
+        raise NotImplementedError
