@@ -57,6 +57,10 @@ log = logging.getLogger("grpc_async.server")
 ENGINE_DEAD_EXIT_CODE = 3  # `serve`/`run`/`main` return it when the LM engine died
 STARTUP_ERROR_EXIT_CODE = 2  # a configuration or model the server cannot serve
 _END_STREAMS_WAIT = 5.0  # seconds for cancelled streams to send their UNAVAILABLE
+# After the engine died the port stays open this long (at most the drain grace) answering
+# UNAVAILABLE with the reason: grpc's stop cancels calls it has not yet handed to a handler, so a
+# request racing the health change would otherwise get a bare CANCELLED, which clients don't retry.
+_DEAD_LINGER_SECONDS = 1.0
 
 
 class HealthServicer(grpc_health.aio.HealthServicer):
@@ -194,6 +198,7 @@ class CosyVoiceServer:
         left = self.servicer.end_streams(str(self.servicer.engine_dead()))
         if left:
             await asyncio.wait(left, timeout=_END_STREAMS_WAIT)
+        await asyncio.sleep(min(_DEAD_LINGER_SECONDS, self.config.server.grace_seconds))
         self.engine_died.set_result(reason)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
