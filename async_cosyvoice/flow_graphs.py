@@ -40,7 +40,7 @@ class FlowGraphs(GraphBuckets):
                  min_token_step: int = 32, max_bucket_tokens: int = 8192, max_graphs: int = 128):
         """capturable: the estimator to run inside the graph (no graphs of its own: they cannot nest);
         fallback: the estimator for calls past the buckets (None: the flow's own module)."""
-        super().__init__(next(flow.parameters()).device, cuda_graphs=cuda_graphs, stream_buckets=stream_buckets,
+        super().__init__(next(flow.parameters()).device, cuda_graphs=cuda_graphs, batch_buckets=stream_buckets,
                          min_step=min_token_step, max_bucket_size=max_bucket_tokens, max_graphs=max_graphs)
         self.flow, self.capturable, self.fallback = flow, capturable, fallback
 

@@ -1,10 +1,10 @@
-"""Calls captured as CUDA graphs by (streams, length) bucket, for the whole flow call (flow_graphs.py)
-and HiFT (hift_graphs.py).
+"""Calls captured as CUDA graphs by (streams, length) bucket: the whole flow call (flow_graphs.py),
+HiFT (hift_graphs.py) and the flow estimator's single steps (estimator/torch_backend.py).
 
 A call of B streams of length L takes the smallest stream bucket >= B and L rounded up like the
 estimator's lengths (`length_bucket`, steps of >= `min_step`: <= 12.5 % padding), for buckets of at
-most `max_bucket_size` streams x length and at most `max_graphs` graphs; past that the caller runs
-it without a graph. A bucket's graph is captured on its first call (`warmup` captures chosen ones
+most `max_bucket_size` streams x length (None: no limit) and at most `max_graphs` graphs; past that
+the caller runs it without a graph. A bucket's graph is captured on its first call (`warmup` captures chosen ones
 ahead), and all of them share one memory pool, so each call's outputs are overwritten by the next
 replay: callers copy out what they keep. Off CUDA (`cuda_graphs=False`) the call runs on inputs
 padded to the bucket, without a graph: the tests use it to check that padding changes nothing.
@@ -21,42 +21,63 @@ import torch
 from torch import Tensor
 
 from .cuda_graph import CapturedCall, padded
-from .estimator.torch_backend import batch_bucket, length_bucket
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STREAM_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-Bucket = tuple[int, int]  # (streams, length)
+Bucket = tuple[int, int]  # (batch, length)
+
+
+def length_bucket(length: int, min_step: int = 64) -> int:
+    """length rounded up to its bucket: a multiple of max(min_step, 2^(⌊log2 length⌋ − 3)), so at
+    most 12.5 % of it (and at least `min_step`) is padding."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    step = max(min_step, 1 << max(0, length.bit_length() - 4))
+    return -(-length // step) * step
+
+
+def batch_bucket(batch: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= batch, or None if the batch is larger than every bucket."""
+    for b in sorted(buckets):
+        if b >= batch:
+            return b
+    return None
 
 
 class GraphBuckets:
     what = "call"     # for the log: "capturing the <what> CUDA graph for B streams x T <unit>"
     unit = "positions"
 
-    def __init__(self, device: torch.device, *, cuda_graphs: bool | None, stream_buckets: Sequence[int],
-                 min_step: int, max_bucket_size: int, max_graphs: int, min_length: int = 1):
+    def __init__(self, device: torch.device, *, cuda_graphs: bool | None, batch_buckets: Sequence[int],
+                 min_step: int, max_bucket_size: int | None, max_graphs: int, min_length: int = 1):
         """min_length: the shortest length a bucket has (shorter calls are padded to it)."""
         self.device = device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the {self.what} is on {device}")
-        self.stream_buckets = tuple(sorted(stream_buckets))
+        self.batch_buckets = tuple(sorted(batch_buckets))  # streams (flow, HiFT) or rows (estimator)
         self.min_step = min_step
         self.max_bucket_size = max_bucket_size
         self.max_graphs = max_graphs
         self.min_length = min_length
         self.graphs: dict[Bucket, CapturedCall] = {}
         self._pool = None
+        self._warned_full = False
         self.replays = 0    # calls that ran in a graph (or, off CUDA, padded to a bucket)
         self.fallbacks = 0  # calls past the buckets
 
-    def bucket(self, streams: int, length: int) -> Bucket | None:
-        """The bucket a call falls in, or None: it runs without a graph."""
-        B = batch_bucket(streams, self.stream_buckets)
+    def bucket(self, batch: int, length: int) -> Bucket | None:
+        """The bucket a call of `batch` streams (rows) of `length` falls in, or None: it runs without a graph."""
+        B = batch_bucket(batch, self.batch_buckets)
         T = length_bucket(max(length, self.min_length), self.min_step)
-        if B is None or B * T > self.max_bucket_size:
+        if B is None or (self.max_bucket_size is not None and B * T > self.max_bucket_size):
             return None
         if self.cuda_graphs and (B, T) not in self.graphs and len(self.graphs) >= self.max_graphs:
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning("%d %s CUDA graphs captured (max_graphs): calls of new shapes run without a graph",
+                            len(self.graphs), self.what)
             return None
         return B, T
 

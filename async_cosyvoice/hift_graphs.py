@@ -39,7 +39,7 @@ class HiFTGraphs(GraphBuckets):
                  max_bucket_frames: int = 8192, max_graphs: int = 128):
         """cache_samples: the longest cache_source a graph takes (the streams' source cache)."""
         # a bucket holds the longest cache: at least that many frames
-        super().__init__(next(hift.parameters()).device, cuda_graphs=cuda_graphs, stream_buckets=stream_buckets,
+        super().__init__(next(hift.parameters()).device, cuda_graphs=cuda_graphs, batch_buckets=stream_buckets,
                          min_step=min_frame_step, max_bucket_size=max_bucket_frames, max_graphs=max_graphs,
                          min_length=-(-cache_samples // hift.upsample_scale))
         self.hift = hift

@@ -168,7 +168,7 @@ class Token2WavBatcher:
             new = 0
             for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.hift_graphs, frames)):
                 if graphs is not None:
-                    streams = [b for b in graphs.stream_buckets if b <= max_streams] or [graphs.stream_buckets[0]]
+                    streams = [b for b in graphs.batch_buckets if b <= max_streams] or [graphs.batch_buckets[0]]
                     new += graphs.warmup(streams, lengths)
             return new
         return await self.run_on_device(capture, items=0)

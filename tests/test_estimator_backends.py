@@ -25,7 +25,8 @@ import torch
 from async_cosyvoice.estimator import MissingBackendError, TorchEstimator, make_estimator
 from async_cosyvoice.estimator.base import INPUT_NAMES, OUTPUT_NAME, RowSplitEstimator
 from async_cosyvoice.estimator.onnx_export import cached_export, dummy_inputs, export_key
-from async_cosyvoice.estimator.torch_backend import CompiledEstimator, batch_bucket, length_bucket
+from async_cosyvoice.estimator.torch_backend import CompiledEstimator
+from async_cosyvoice.graph_buckets import batch_bucket, length_bucket
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 
@@ -159,6 +160,11 @@ def test_compiled_bucket_padding_is_exact(models):
         with torch.inference_mode():
             err = (est(*args, flag) - module(*args, flag)).abs().max().item()
         assert err <= PAD_ATOL, (flag, err)
+    assert (est.replays, est.fallbacks) == (3, 0)
+    wide = _inputs(module, 10, 70, seed=4)  # past the largest batch bucket: the module as is
+    with torch.inference_mode():
+        assert (est(*wide) - module(*wide)).abs().max().item() <= PAD_ATOL
+    assert (est.replays, est.fallbacks) == (3, 1)
     with pytest.raises(ValueError, match="CUDA"):
         CompiledEstimator(module, cuda_graphs=True)
 

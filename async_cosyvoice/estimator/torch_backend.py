@@ -1,7 +1,8 @@
 """PyTorch estimator backends: eager, and compiled with CUDA-graph capture per shape bucket.
 
 `CompiledEstimator` pads every call up to a (batch, length) bucket so that a handful of captured
-graphs serve every request mix (nano-vllm's batch buckets, plus length buckets):
+graphs serve every request mix (nano-vllm's batch buckets, plus length buckets; the bucket rule,
+pool and capture are graph_buckets.GraphBuckets', shared with the flow's and HiFT's graphs):
 
 - batch buckets: `batch_buckets` (default 2, 4, 8, …, up to the largest estimator batch); a call
   takes the smallest bucket that holds it. Extra rows have an all-zero mask.
@@ -14,12 +15,11 @@ attention masks padded keys, and LayerNorm works per frame, so rows and frames p
 length never reach it (tests/test_estimator_backends.py checks this against eager within 1e-5;
 the difference is float summation order).
 
-Graphs are captured lazily the first time a bucket is used (`warmup()` captures chosen buckets
-ahead of time), in `thread_local` capture mode so another thread's CUDA work (the LLM engine)
-does not break a capture, and share one memory pool: each replay's output is cloned before the
-next replay, the condition for sharing. On a device without CUDA, or with `cuda_graphs=False`,
-the module is only compiled (or run eagerly with `compile=False`); a compile failure falls back
-to eager with a warning.
+Graphs are captured the first time a bucket is used (`warmup()` captures chosen buckets ahead of
+time). A call past the buckets (a larger batch, or `max_graphs` captured) runs the compiled module
+without a graph. On a device without CUDA, or with `cuda_graphs=False`, the module is only
+compiled (or run eagerly with `compile=False`), padded to the buckets if `pad_to_buckets`; a
+compile failure falls back to eager with a warning.
 """
 from __future__ import annotations
 
@@ -29,28 +29,12 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..cuda_graph import CapturedCall
+from ..graph_buckets import Bucket, GraphBuckets
 from .base import streaming_rows
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
-
-
-def length_bucket(frames: int, min_step: int = 64) -> int:
-    """Frames rounded up to the length bucket: a multiple of max(min_step, 2^(⌊log2 frames⌋ − 3))."""
-    if frames < 1:
-        raise ValueError(f"frames must be >= 1, got {frames}")
-    step = max(min_step, 1 << max(0, frames.bit_length() - 4))
-    return -(-frames // step) * step
-
-
-def batch_bucket(batch: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket >= batch, or None if the batch is larger than every bucket."""
-    for b in sorted(buckets):
-        if b >= batch:
-            return b
-    return None
 
 
 class TorchEstimator:
@@ -67,76 +51,50 @@ class TorchEstimator:
     capturable = __call__  # what a caller capturing a larger CUDA graph runs (flow_graphs.py)
 
 
-def _capture(fn, batch: int, frames: int, channels: int, spk_channels: int, dtype: torch.dtype,
-             device: torch.device, pool) -> CapturedCall:
-    """One estimator call captured at a fixed (batch, length)."""
-    def zeros(*shape, dt=dtype):
-        return torch.zeros(*shape, dtype=dt, device=device)
-    inputs = dict(x=zeros(batch, channels, frames), mask=zeros(batch, 1, frames), mu=zeros(batch, channels, frames),
-                  t=zeros(batch), spks=zeros(batch, spk_channels), cond=zeros(batch, channels, frames),
-                  streaming=zeros(batch, dt=torch.bool))
-    return CapturedCall(fn, inputs, device, pool)
-
-
-class CompiledEstimator:
+class CompiledEstimator(GraphBuckets):
     """torch.compile'd estimator with CUDA graphs per (batch, length) bucket. See the module docstring."""
     name = "compiled"
     supports_streaming = True
+    what, unit = "flow estimator", "frames"
 
     def __init__(self, module: nn.Module, *, compile: bool = True, cuda_graphs: bool | None = None,
                  pad_to_buckets: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                  min_length_step: int = 64, max_graphs: int = 256, compile_options: dict | None = None):
         param = next(module.parameters())
-        self.module = module
-        self.device, self.dtype = param.device, param.dtype
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the estimator is on {self.device}")
-        self.cuda_graphs = cuda_graphs
-        self.pad_to_buckets = cuda_graphs if pad_to_buckets is None else pad_to_buckets
-        self.batch_buckets = tuple(sorted(batch_buckets))
-        self.min_length_step = min_length_step
-        self.max_graphs = max_graphs
-        self._graphs: dict[tuple[int, int], CapturedCall] = {}
-        self._pool = None
-        self._noted: set[str] = set()
-        if compile:
-            # dynamic shapes: one compiled program serves every bucket (no recompile per bucket)
-            self._fn = torch.compile(module, dynamic=True, **(compile_options or {}))
-        else:
-            self._fn = module
+        super().__init__(param.device, cuda_graphs=cuda_graphs, batch_buckets=batch_buckets, min_step=min_length_step,
+                         max_bucket_size=None, max_graphs=max_graphs)
+        self.module, self.dtype = module, param.dtype
+        self.pad_to_buckets = self.cuda_graphs if pad_to_buckets is None else pad_to_buckets
+        self._warned_batch = False
+        # dynamic shapes: one compiled program serves every bucket (no recompile per bucket)
+        self._module_fn = torch.compile(module, dynamic=True, **(compile_options or {})) if compile else module
         self._compiled = compile
-        if not cuda_graphs:
+        if not self.cuda_graphs:
             log.info("compiled estimator on %s: %s, no CUDA graphs%s", self.device,
                      "torch.compile" if compile else "eager", " (CUDA graphs need a CUDA device)"
                      if self.device.type != "cuda" else "")
 
-    def _note(self, key: str, msg: str, *args) -> None:
-        if key not in self._noted:
-            self._noted.add(key)
-            log.warning(msg, *args)
-
-    def _run(self, **inputs: Tensor) -> Tensor:
+    def _call_module(self, **inputs: Tensor) -> Tensor:
         try:
-            return self._fn(**inputs)
+            return self._module_fn(**inputs)
         except Exception as e:  # noqa: BLE001 — a compiler failure must not take the service down
             if not self._compiled:
                 raise
             log.warning("torch.compile of the flow estimator failed (%s: %s); running it eagerly",
                         type(e).__name__, e)
-            self._fn, self._compiled = self.module, False
-            return self._fn(**inputs)
+            self._module_fn, self._compiled = self.module, False
+            return self._module_fn(**inputs)
 
     def capturable(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                    streaming: bool | Tensor = False) -> Tensor:
         """The compiled module without this estimator's own graphs: what a caller capturing a larger
         CUDA graph runs (flow_graphs.py; graphs cannot nest)."""
-        return self._run(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, streaming=streaming)
+        return self._call_module(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, streaming=streaming)
 
     @torch.inference_mode()
     def warmup(self, batches: Sequence[int], frames: Sequence[int]) -> None:
-        """Capture (or compile) the buckets of these estimator batch sizes x frame counts now."""
+        """Capture (or, without CUDA graphs, compile) the buckets of these estimator batch sizes x
+        frame counts now."""
         C = self.module.dims.out_channels
         for b in batches:
             for t in frames:
@@ -148,32 +106,34 @@ class CompiledEstimator:
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool | Tensor = False) -> Tensor:
         B, C, T = x.shape
-        rows = streaming_rows(streaming, B, x.device)
-        inputs = dict(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, streaming=rows)
+        inputs = dict(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, streaming=streaming_rows(streaming, B, x.device))
         if not self.pad_to_buckets:
-            return self._run(**inputs)
-        Bb, Tb = batch_bucket(B, self.batch_buckets), length_bucket(T, self.min_length_step)
-        if Bb is None:
-            self._note("batch", "estimator batch %d is larger than the largest bucket %d: running it without a "
-                       "CUDA graph", B, self.batch_buckets[-1])
-            return self._run(**inputs)
-        if self.cuda_graphs:
-            graph = self._graphs.get((Bb, Tb))
-            if graph is None and len(self._graphs) < self.max_graphs:
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                log.info("capturing the flow estimator CUDA graph for batch %d x %d frames", Bb, Tb)
-                graph = self._graphs[(Bb, Tb)] = _capture(self._run, Bb, Tb, C, spks.shape[1], self.dtype,
-                                                          self.device, self._pool)
-            if graph is not None:
-                # clone: the next replay (of any graph in the pool) overwrites the output
-                return graph(**inputs)[:B, :, :T].clone().to(x.dtype)
-            self._note("graphs", "%d estimator CUDA graphs captured (max_graphs): new shapes run without a graph",
-                       len(self._graphs))
-        # pad without a graph (CPU, or past max_graphs): the same numbers a graph would see
-        def pad(a: Tensor) -> Tensor:
-            out = a.new_zeros((Bb,) + tuple(a.shape[1:-1]) + ((Tb,) if a.dim() == 3 else a.shape[-1:]))
-            out[(slice(0, B),) + tuple(slice(0, n) for n in a.shape[1:])] = a
-            return out
-        padded = {k: (pad(v) if v.dim() > 1 else torch.cat([v, v.new_zeros(Bb - B)])) for k, v in inputs.items()}
-        return self._run(**padded)[:B, :, :T]
+            return self._call_module(**inputs)
+        bucket = self.bucket(B, T)
+        if bucket is None:
+            self.fallbacks += 1
+            if B > self.batch_buckets[-1] and not self._warned_batch:
+                self._warned_batch = True
+                log.warning("estimator batch %d is larger than the largest bucket %d: running it without a "
+                            "CUDA graph", B, self.batch_buckets[-1])
+            return self._call_module(**inputs)
+        # clone: the next replay (of any graph in the pool) overwrites the output
+        return self._run(bucket, inputs)[:B, :, :T].clone().to(x.dtype)
+
+    # -- GraphBuckets
+
+    def _fn(self, bucket: Bucket):
+        return self._call_module
+
+    def _buffer_shape(self, name: str, bucket: Bucket, example: Tensor) -> tuple[int, ...]:
+        Bb, Tb = bucket
+        if example.dim() == 3:  # x, mask, mu, cond: (B, channels, frames)
+            return Bb, example.shape[1], Tb
+        return (Bb,) + tuple(example.shape[1:])  # t, streaming (B,); spks (B, channels)
+
+    def _buffers(self, bucket: Bucket, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Zeros in the estimator's dtype (the streaming flags stay bool): a caller's float32 mask
+        or time step is cast on its way into the graph, as the module would see it."""
+        return {name: torch.zeros(self._buffer_shape(name, bucket, v), device=self.device,
+                                  dtype=self.dtype if v.is_floating_point() else v.dtype)
+                for name, v in inputs.items()}
