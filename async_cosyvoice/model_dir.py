@@ -22,6 +22,9 @@ from async_cosyvoice.dims_map import read_dims, read_qwen_dims
 from async_cosyvoice.errors import ModelDirError
 from async_cosyvoice.frontend.tokenizer import TextTokenizer
 from async_cosyvoice.models.dims import ModelDims, Qwen2Dims
+from async_cosyvoice.models.flow.flow import Flow
+from async_cosyvoice.models.hift import HiFT
+from async_cosyvoice.models.llm import CosyVoice2LM
 from async_cosyvoice.recipe import YAML_FILE, load_recipe
 
 BLANK_EN_DIR = "CosyVoice-BlankEN"
@@ -290,10 +293,6 @@ def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = 
     `device` (flow in `dtype`, the LM in `llm_dtype` (default `dtype`), HiFT always float32) and put
     them in eval mode. `with_llm=False` leaves `Models.llm` None (an engine that loads the LM itself);
     `with_token2wav=False` leaves `flow` and `hift` None (a device that runs only the LM)."""
-    from async_cosyvoice.models.flow.flow import Flow
-    from async_cosyvoice.models.hift import HiFT
-    from async_cosyvoice.models.llm import CosyVoice2LM
-
     md = model_dir if isinstance(model_dir, ModelDir) else load_model_dir(model_dir)
 
     def load(cls, dims, state_dict, file: str, mod_dtype: torch.dtype) -> torch.nn.Module:

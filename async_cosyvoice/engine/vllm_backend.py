@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, Sequence
 import torch
 
 from ..errors import EngineDead, InvalidRequest, NotReady, Unsupported
-from ..models.dims import EOS2_TOKEN, FILL_TOKEN, STOP_TOKENS
+from ..model_dir import ModelDir, load_model_dir
+from ..models.dims import EOS2_TOKEN, FILL_TOKEN, STOP_TOKENS, Qwen2Dims
+from ..models.llm import CosyVoice2LM
 from .base import BistreamRequest, EngineStats, GenerationRequest
 from .bistream import BistreamSchedule, Phase, Verdict
+from .vllm_export import export_for_vllm, input_ids
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..model_dir import ModelDir
-    from ..models.dims import Qwen2Dims
-    from ..models.llm import CosyVoice2LM
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,6 @@ class VLLMEngine:
 
     def __init__(self, lm: "CosyVoice2LM | None", model_dir: "ModelDir | str | Path",
                  args: VLLMEngineArgs = VLLMEngineArgs()):
-        from ..model_dir import ModelDir, load_model_dir
-
         self.model_dir = model_dir if isinstance(model_dir, ModelDir) else load_model_dir(model_dir)
         check_servable(self.model_dir.dims.lm.qwen, _import_vllm()[1])  # before vLLM spawns anything
         self.args = args
@@ -133,8 +131,6 @@ class VLLMEngine:
         if self.llm is not None:
             return
         _import_vllm()
-        from .vllm_export import export_for_vllm
-
         self.export_dir = await asyncio.to_thread(
             export_for_vllm, self.model_dir.path, self.args.dtype, self.args.export_cache_dir)
         if self._lm is None:
@@ -285,7 +281,6 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         from .ras_processor import ras_extra_args
-        from .vllm_export import input_ids
 
         llm = self.llm
         if llm is None:
@@ -439,8 +434,6 @@ def _embedding_only_lm(model_dir: "ModelDir", dtype: torch.dtype) -> "CosyVoice2
     """A `CosyVoice2LM` whose three embedding tables are real (in the engine dtype: vLLM casts the
     prompt rows to it anyway) and whose other weights stay on the meta device: enough for
     `embed_prompt`, at a fraction of the memory."""
-    from ..models.llm import CosyVoice2LM
-
     with torch.device("meta"):
         lm = CosyVoice2LM(model_dir.dims.lm)
     state = model_dir.llm_state_dict()
