@@ -31,8 +31,7 @@ from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
 from .request import Audio, AudioChunk, SynthesisRequest
 from .stage_stats import StageStats, totals
-from .token2wav_process import Token2WavProcess
-from .token2wav_stage import device_token2wav_batcher
+from .token2wav_process import token2wav_worker
 from .tts import Synthesizer
 
 log = logging.getLogger(__name__)
@@ -261,18 +260,10 @@ class Token2WavPool:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))
 
 
-def build_token2wav_batcher(config: Config, model_dir: ModelDir, device: str) -> Token2WavBatcher | Token2WavProcess:
-    """A token2wav worker on `device`: its own flow + HiFT weights, estimator, runner and batcher, in
-    this process or (token2wav.process) in a child process of its own."""
-    if config.token2wav.process:
-        return Token2WavProcess(config, device)
-    return device_token2wav_batcher(config, model_dir, device)
-
-
 def build_token2wav_pool(config: Config, model_dir: ModelDir, devices: list[str]) -> Token2WavPool:
     """One token2wav worker per device, loaded side by side."""
     with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="token2wav-load") as pool:
-        batchers = list(pool.map(lambda d: build_token2wav_batcher(config, model_dir, d), devices))
+        batchers = list(pool.map(lambda d: token2wav_worker(config, model_dir, d), devices))
     return Token2WavPool(batchers, devices)
 
 

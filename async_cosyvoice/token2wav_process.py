@@ -42,7 +42,7 @@ from torch import Tensor
 from .config import Config
 from .demo import resolve_model_dir
 from .errors import EngineDead
-from .model_dir import load_model_dir
+from .model_dir import ModelDir, load_model_dir
 from .stage_stats import StageStats
 from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav_batcher import Token2WavBatcher
@@ -361,3 +361,12 @@ class _ChildServer:
         if stream.finished:
             self.streams.pop(spec.sid, None)
         return samples, job.timing.started
+
+
+def token2wav_worker(config: Config, model_dir: ModelDir, device: str) -> Token2WavBatcher | Token2WavProcess:
+    """The token2wav stage on `device`: its own flow + HiFT weights, estimator, runner and batcher,
+    in this process or (token2wav.process) in a child process of its own. The one place that
+    decision is made, for one device and for each worker of a disaggregated pool."""
+    if config.token2wav.process:
+        return Token2WavProcess(config, device)
+    return device_token2wav_batcher(config, model_dir, device)

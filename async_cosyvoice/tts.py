@@ -60,8 +60,7 @@ from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule
 from .token2wav_batcher import Token2WavBatcher
-from .token2wav_process import Token2WavProcess
-from .token2wav_stage import token2wav_batcher
+from .token2wav_process import token2wav_worker
 from .utterance import Playback, Utterance
 from .warmup import Warmup, compile_in_use, use_compile_cache
 
@@ -149,13 +148,10 @@ class Synthesizer:
         device = torch.device(config.model.device)
         if compile_in_use(config):
             use_compile_cache(config)
-        if token2wav is None and config.token2wav.process:
-            def token2wav(_model_dir: ModelDir) -> Token2WavProcess:  # flow + HiFT in a child process
-                return Token2WavProcess(config, config.model.device)
-        # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module
-        models = build_models(model_dir, device=device, dtype=getattr(torch, config.model.flow_dtype),
-                              llm_dtype=getattr(torch, config.model.llm_dtype),
-                              with_llm=config.engine.kind == "native", with_token2wav=token2wav is None)
+        # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
+        # Flow and HiFT belong to the token2wav stage (token2wav_worker), loaded there.
+        models = build_models(model_dir, device=device, llm_dtype=getattr(torch, config.model.llm_dtype),
+                              with_llm=config.engine.kind == "native", with_token2wav=False)
         tokenizer = model_dir.tokenizer()
         try:
             text_frontend = TextFrontend(tokenizer)
@@ -167,7 +163,7 @@ class Synthesizer:
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
         speakers = open_speaker_store(config.speakers)
         engine = create_engine(config, models.llm, model_dir)
-        batcher = token2wav_batcher(config, models, model_dir) if token2wav is None else token2wav(model_dir)
+        batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
                    text_frontend=text_frontend, prompt_encoder=prompt_encoder, speakers=speakers,
                    engine=engine, batcher=batcher)
