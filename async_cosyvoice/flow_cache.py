@@ -138,5 +138,9 @@ class SpeakerPrefixCache:
     def _sync(self) -> None:
         self.stats.entries = len(self._items)
 
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._items
+
     def __len__(self) -> int:
         return len(self._items)

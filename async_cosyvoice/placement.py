@@ -158,12 +158,12 @@ class ReplicaRouter:
     async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio, overwrite: bool = False):
         with self._assigned() as replica:
             record = await replica.synth.register_speaker(speaker_id, prompt_text, audio, overwrite=overwrite)
-        # every replica warms the new prompt length before the registration returns, not only the one
+        # every replica prepares the new speaker before the registration returns, not only the one
         # that computed it (on an H200 pair the first request after a registration took 1.39 s, 9x the
         # warm first chunk, on the other replica); one at a time: warm-up compiles (see create)
         for r in self.replicas:
-            if r is not replica and r.synth.ready:
-                await r.synth.warming.registered(r.synth.synthesize, speaker_id, record.voice.n_tokens)
+            if r is not replica:
+                await r.synth.prepare_speaker(record)
         return record
 
     async def delete_speaker(self, speaker_id: str) -> None:
@@ -242,6 +242,13 @@ class Token2WavPool:
 
     def device_stats(self) -> list[DeviceStats]:
         return [DeviceStats(w.device, "token2wav", len(w.streams), w.served) for w in self.workers]
+
+    async def prepare_speaker(self, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
+                              speaker_id: str) -> bool:
+        """On every worker: any of them may take the speaker's next utterance."""
+        kept = await asyncio.gather(*(w.batcher.prepare_speaker(prompt_token, prompt_feat, embedding, speaker_id)
+                                      for w in self.workers))
+        return all(kept)
 
     def forget_speaker(self, speaker_id: str) -> None:
         for w in self.workers:

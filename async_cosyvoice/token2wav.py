@@ -551,6 +551,15 @@ class Token2WavRunner:
             keep = min(keep, chunk_floor(self.max_cached_tokens, self.flow.dims.encoder.static_chunk_size))
         return state, end - start, max(start, keep)
 
+    def prepare_speaker(self, stream: "Token2WavStream") -> bool:
+        """Compute and cache a registered speaker's prompt prefix now (the stream names it by
+        prompt_key), so its first request does not pay for it; False if there is none to keep (the
+        flow cache is off, the prompt is too short or past the cache budget)."""
+        if not self.flow_cache or stream.prompt_key is None:
+            return False
+        self._speaker_prefix(stream)
+        return stream.prompt_key in self.speaker_prefixes
+
     def _speaker_prefix(self, s: "Token2WavStream") -> FlowState | None:
         """The stream's speaker prompt prefix (computed on a miss), or None (ad-hoc prompt, or too short)."""
         key = s.prompt_key

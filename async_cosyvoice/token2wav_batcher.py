@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .offline_batcher import OfflineBatcher
 from .stage_stats import StageStats, timed_call
-from .token2wav import Token2WavJob, Token2WavRunner, Token2WavStream, request_noise
+from .token2wav import ChunkSchedule, Token2WavJob, Token2WavRunner, Token2WavStream, request_noise
 from .token2wav_offline import OfflineLimits, is_offline_job
 
 log = logging.getLogger(__name__)
@@ -263,6 +263,17 @@ class Token2WavBatcher:
                      for p in batch)
         st.timeline.append(BatchRecord(index, lane, started, seconds, sum(flow_positions(p.job) for p in batch),
                                        left, jobs))
+
+    async def prepare_speaker(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
+                              speaker_id: str) -> bool:
+        """A registered speaker's flow prompt prefix computed and cached now, in the device thread
+        (Token2WavRunner.prepare_speaker); False where the runner keeps none."""
+        if not self.runner.flow_cache:
+            return False
+        ratio = self.runner.flow.dims.token_mel_ratio
+        stream = Token2WavStream(prompt_token, prompt_feat, embedding, schedule=ChunkSchedule(token_mel_ratio=ratio),
+                                 device=self.runner.device, prompt_key=speaker_id)
+        return await self.run_on_device(self.runner.prepare_speaker, stream, items=0)
 
     def forget_speaker(self, speaker_id: str) -> None:
         """Drop a deleted speaker's cached prompt prefix (it would otherwise stay until evicted)."""

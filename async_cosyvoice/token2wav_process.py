@@ -15,7 +15,7 @@ request's seed). One duplex pipe of pickled messages:
                       ("job", key, JobSpec)            one chunk, with the tokens the child lacks
                       ("cancel", key)                  its caller went away: dropped if not started
                       ("close", sid)                   the server's stream is gone
-                      ("call", key, method, args)      forget_speaker, capture_graphs
+                      ("call", key, method, args)      prepare_speaker, forget_speaker, capture_graphs
                       ("stop",)
     child -> server   ("ready", device) | ("failed", None, error)   once, after loading
                       ("done", key, result, started, stats) | ("failed", key, error, stats)
@@ -102,7 +102,7 @@ class _Sent:
 
 class Token2WavProcess:
     """The token2wav stage of one device in a child process; in the Synthesizer's `batcher` slot
-    (open_stream, submit, pick, stage_stats_list, forget_speaker, capture_graphs, wait_dead,
+    (open_stream, submit, pick, stage_stats_list, prepare_speaker, forget_speaker, capture_graphs, wait_dead,
     close). Construction blocks until the child has loaded its models (call it off the loop)."""
 
     def __init__(self, config: Config, device: str):
@@ -169,6 +169,10 @@ class Token2WavProcess:
         job.timing.started = started
         job.stream.advance(job, samples.numel())
         return samples
+
+    async def prepare_speaker(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
+                              speaker_id: str) -> bool:
+        return await self._request("call", "prepare_speaker", (prompt_token, prompt_feat, embedding, speaker_id))
 
     def forget_speaker(self, speaker_id: str) -> None:
         self._send_quietly(("call", None, "forget_speaker", (speaker_id,)))

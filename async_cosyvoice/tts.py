@@ -228,8 +228,9 @@ class Synthesizer:
 
     async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio,
                                overwrite: bool = False) -> SpeakerRecord:
-        """Compute and store a zero-shot speaker (tokens, 24 kHz mel, embedding, transcript tokens).
-        Where warm-up covers shapes (CUDA), returns once its prompt length is warmed (warmup.py)."""
+        """Compute and store a zero-shot speaker (tokens, 24 kHz mel, embedding, transcript tokens),
+        then `prepare_speaker`: it returns once the speaker's first request would pay for nothing
+        that can be done ahead."""
         validate_speaker_id(speaker_id)
         self.rules.check_text(prompt_text, "prompt_text")
         self.rules.check_prompt(audio, "prompt_audio")
@@ -237,9 +238,21 @@ class Synthesizer:
             raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
         record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text))
         await self._in_cpu(self.speakers.put, record, overwrite)
-        if self.ready:  # its prompt length's first chunks captured now, not on its first request
-            await self.warming.registered(self.synthesize, speaker_id, record.voice.n_tokens)
+        await self.prepare_speaker(record)
         return record
+
+    async def prepare_speaker(self, record: SpeakerRecord) -> None:
+        """What a stored speaker's first request would otherwise compute: its flow prompt prefix on
+        every token2wav device (the exact flow cache, flow_cache.py) and, where warm-up covers
+        shapes (CUDA) and the model is ready, its prompt length's graphs (warmup.py)."""
+        voice = record.voice
+        if voice.n_tokens:  # an sft speaker (embedding only) has no prompt to cache
+            voice = voice.aligned(self.dims.token_mel_ratio)
+            await self.batcher.prepare_speaker(torch.from_numpy(voice.speech_tokens.copy()).reshape(1, -1),
+                                               torch.from_numpy(voice.speech_feat.copy())[None],
+                                               torch.from_numpy(voice.embedding.copy()).reshape(1, -1), record.speaker_id)
+        if self.ready:
+            await self.warming.registered(self.synthesize, record.speaker_id, voice.n_tokens)
 
     async def delete_speaker(self, speaker_id: str) -> None:
         """Delete a stored speaker and drop what the flow cached for it (its prompt prefix)."""

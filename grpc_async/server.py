@@ -223,7 +223,8 @@ class CosyVoiceServer:
         await self.health.enter_graceful_shutdown()
         log.info("shutting down: draining %d stream(s) for up to %.1f s", self.servicer.active, grace)
         try:
-            await asyncio.wait_for(self.servicer.idle.wait(), timeout=grace)
+            if not self.servicer.idle.is_set():  # wait_for(…, 0) times out even on a set event
+                await asyncio.wait_for(self.servicer.idle.wait(), timeout=grace)
         except asyncio.TimeoutError:
             left = self.servicer.end_streams(
                 f"the server shut down before this stream finished (the drain grace of {grace:g} s "

@@ -77,10 +77,14 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
             async with CosyVoiceClient(st.target) as client:
                 await client.register_speaker("shared_voice", PROMPT_TEXT, prompt)
 
+        def prefixes():
+            return [len(r.synth.batcher.runner.speaker_prefixes) for r in router.replicas]
+
         st.call(register(), timeout=300)
         registered_on = [r.served for r in router.replicas].index(1)  # the replica that computed it
         n_prompt = router.speakers.get("shared_voice").voice.n_tokens
         assert [r.synth.warming.warmed.get(n_prompt) for r in router.replicas] == [[1], [1]]
+        assert prefixes() == [1, 1]  # its flow prompt prefix is on both replicas before any request
         served_before = [r.served for r in router.replicas]
         # same seed on both replicas: the same audio wherever a request lands
         audio = st.call(_speak(st.target, 4, mode="zero_shot_by_spk_id", speaker_id="shared_voice", seed=5),
@@ -127,9 +131,7 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         assert router.ready and all(r.active == 0 for r in router.replicas)
 
         # deleting the speaker drops its cached flow prompt prefix on every replica
-        def prefixes():
-            return [len(r.synth.batcher.runner.speaker_prefixes) for r in router.replicas]
-        assert prefixes() == [1, 1]  # both replicas streamed with it above
+        assert prefixes() == [1, 1]
 
         async def delete():
             async with CosyVoiceClient(st.target) as client:
@@ -170,3 +172,9 @@ def test_disaggregated_streams_spread_over_token2wav_workers(tiny_dir, tmp_path,
         _same_audio(audio)
         assigned = _device_metric(st, "cosyvoice_device_assigned_total")
         assert assigned[("1", "token2wav")] == before[0] + 2 and assigned[("2", "token2wav")] == before[1] + 2
+
+        async def register():  # a registered speaker's flow prompt prefix is on every worker at once
+            async with CosyVoiceClient(st.target) as client:
+                await client.register_speaker("pooled_voice", PROMPT_TEXT, prompt)
+        st.call(register(), timeout=300)
+        assert ["pooled_voice" in w.batcher.runner.speaker_prefixes for w in pool.workers] == [True, True]

@@ -1,4 +1,5 @@
 """The Synthesizer end to end on the fixture model: every mode, streamed and not."""
+import dataclasses
 import time
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import InvalidRequest, SpeakerNotFound, Unsupported
 from async_cosyvoice.frontend.audio import load_audio
-from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
+from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.tts import SyncSynthesizer
 
 SAMPLES_PER_TOKEN = 960
@@ -152,6 +153,27 @@ def test_register_rejects_duplicates_and_bad_ids(synth, prompt):
         synth.register_speaker("reg", "again", prompt)
     with pytest.raises(InvalidRequest):
         synth.register_speaker("../etc", "x", prompt)
+
+
+def test_registration_caches_the_speaker_prompt_prefix(synth, prompt):
+    """The flow cache's prefix of a new speaker is computed when it registers, not by its first
+    request; a re-registration with other audio replaces it, a deletion drops it."""
+    runner = synth.synth.batcher.runner
+    cache = runner.speaker_prefixes
+    misses = cache.stats.misses
+    synth.register_speaker("fresh", "The morning train was late again.", prompt)
+    assert "fresh" in cache and cache.stats.misses == misses + 1
+    hits = cache.stats.hits
+    request = _request(Mode.ZERO_SHOT_BY_SPK_ID, prompt, True, text="Short one.")
+    chunks = list(synth.synthesize(dataclasses.replace(request, speaker_id="fresh")))
+    assert chunks[-1].is_final
+    assert cache.stats.misses == misses + 1 and cache.stats.hits > hits  # the first request found it
+    old_tokens = cache._items["fresh"][2]
+    shorter = Audio(prompt.samples[: len(prompt.samples) * 2 // 3], prompt.sample_rate)
+    synth.register_speaker("fresh", "The morning train.", shorter, overwrite=True)
+    assert "fresh" in cache and not torch.equal(cache._items["fresh"][2], old_tokens)
+    synth.call(synth.synth.delete_speaker("fresh"))
+    assert "fresh" not in cache
 
 
 @pytest.mark.slow

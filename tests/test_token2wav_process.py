@@ -11,6 +11,7 @@ import signal
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from async_cosyvoice.config import Config
@@ -130,6 +131,14 @@ def test_disaggregated_workers_in_processes(tiny_dir, tmp_path):
             pids = {w.batcher.process.pid for w in pool.workers}
             assert len(pids) == 2 and os.getpid() not in pids
             audio = await asyncio.gather(*(render(synth, request(tiny_dir, True)) for _ in range(2)))
+            # a registration computes the speaker's flow prompt prefix in each child (a call of no jobs)
+            calls = [w.batcher.stage_stats.calls for w in pool.workers]
+            record = await synth.register_speaker("proc_voice", TRANSCRIPT, load_audio(tiny_dir / "golden" / "prompt_24k.wav"))
+            assert [w.batcher.stage_stats.calls - c for w, c in zip(pool.workers, calls)] == [1, 1]
+            voice = record.voice
+            assert await pool.prepare_speaker(torch.from_numpy(voice.speech_tokens.copy())[None],
+                                              torch.from_numpy(voice.speech_feat.copy())[None],
+                                              torch.from_numpy(voice.embedding.copy())[None], "proc_voice")
             return audio, [w.served for w in pool.workers]
         finally:
             await synth.close()
