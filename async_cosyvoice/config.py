@@ -155,7 +155,9 @@ class WarmupConfig(_Section):
     """What runs before health turns SERVING (async_cosyvoice/warmup.py)."""
     coverage: bool | None = None  # every batch size for registered speakers' prompts; None: where shapes are captured (CUDA)
     max_batch: int | None = Field(None, ge=1)  # None: min(limits.max_concurrent_streams, token2wav.max_batch, engine.max_num_seqs)
-    max_speakers: int = Field(8, ge=0)  # distinct prompt lengths of registered speakers warmed at start-up
+    # start-up: distinct prompt lengths of registered speakers warmed, and (flow cache) the most recent
+    # speakers whose flow prompt prefixes are computed (as many as flow_cache_speaker_bytes holds)
+    max_speakers: int = Field(8, ge=0)
     # a speaker registered while serving: its prompt length warmed at 1, 2, 4, ... up to this many streams
     # before the registration returns (these requests run beside live traffic); 0: not at all
     register_max_batch: int = Field(8, ge=0)

@@ -35,7 +35,7 @@ from .engine.base import (
     first_death,
     length_limits,
 )
-from .errors import InvalidRequest, SpeakerExists, TextTimeout, Unsupported
+from .errors import InvalidRequest, SpeakerExists, SpeakerNotFound, TextTimeout, Unsupported
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
@@ -44,6 +44,7 @@ from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
+from .flow_cache import speaker_prefix_tokens, state_nbytes
 from .models.dims import RASParams
 from .offline import segments_at_once
 from .request import (
@@ -169,9 +170,43 @@ class Synthesizer:
                    engine=engine, batcher=batcher)
 
     async def warmup(self) -> None:
-        """Before SERVING: every stage once, and where shapes are captured every batch size for the
-        registered speakers' prompt lengths (warmup.py)."""
+        """Before SERVING: every stage once, where shapes are captured every batch size for the
+        registered speakers' prompt lengths (warmup.py), and the flow prompt prefixes of the
+        speakers registered last (`prepare_stored_speakers`)."""
         await self.warming.run(self.synthesize)
+        await self.prepare_stored_speakers()
+
+    async def prepare_stored_speakers(self) -> int:
+        """The flow cache's prompt prefixes of the most recently registered zero-shot speakers, as
+        many as `token2wav.flow_cache_speaker_bytes` holds (at most `warmup.max_speakers`), so
+        their first requests after a start do not compute them. Returns how many were computed."""
+        t2w = self.config.token2wav
+        if not t2w.flow_cache:
+            return 0
+        dtype = getattr(torch, self.config.model.flow_dtype)
+        flow = self.dims.flow
+        chosen, size = [], 0
+        for info in sorted(await self._in_cpu(self.speakers.infos), key=lambda i: -i.created_at):
+            if len(chosen) >= self.config.warmup.max_speakers:
+                break
+            tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.encoder.static_chunk_size, flow.pre_lookahead_len)
+            if info.kind == "sft" or tokens == 0:
+                continue
+            size += state_nbytes(flow, tokens, dtype)
+            if size > t2w.flow_cache_speaker_bytes:
+                break
+            chosen.append(info.speaker_id)
+        t = time.monotonic()
+        for speaker_id in reversed(chosen):  # the newest last: the most recently used in the LRU
+            try:
+                record = await self._in_cpu(self.speakers.get, speaker_id)
+            except SpeakerNotFound:  # deleted since the listing
+                continue
+            await self._prepare_prefix(record)
+        if chosen:
+            log.info("flow prompt prefixes of %d registered speaker(s) computed in %.1f s", len(chosen),
+                     time.monotonic() - t)
+        return len(chosen)
 
     async def wait_dead(self) -> str:
         """Returns (a one-line sentence) once the LM engine or a token2wav process has died: this
@@ -245,14 +280,18 @@ class Synthesizer:
         """What a stored speaker's first request would otherwise compute: its flow prompt prefix on
         every token2wav device (the exact flow cache, flow_cache.py) and, where warm-up covers
         shapes (CUDA) and the model is ready, its prompt length's graphs (warmup.py)."""
-        voice = record.voice
-        if voice.n_tokens:  # an sft speaker (embedding only) has no prompt to cache
-            voice = voice.aligned(self.dims.token_mel_ratio)
-            await self.batcher.prepare_speaker(torch.from_numpy(voice.speech_tokens.copy()).reshape(1, -1),
-                                               torch.from_numpy(voice.speech_feat.copy())[None],
-                                               torch.from_numpy(voice.embedding.copy()).reshape(1, -1), record.speaker_id)
+        await self._prepare_prefix(record)
         if self.ready:
-            await self.warming.registered(self.synthesize, record.speaker_id, voice.n_tokens)
+            await self.warming.registered(self.synthesize, record.speaker_id, record.voice.n_tokens)
+
+    async def _prepare_prefix(self, record: SpeakerRecord) -> None:
+        voice = record.voice
+        if voice.n_tokens == 0:  # an sft speaker (embedding only) has no prompt to cache
+            return
+        voice = voice.aligned(self.dims.token_mel_ratio)
+        await self.batcher.prepare_speaker(torch.from_numpy(voice.speech_tokens.copy()).reshape(1, -1),
+                                           torch.from_numpy(voice.speech_feat.copy())[None],
+                                           torch.from_numpy(voice.embedding.copy()).reshape(1, -1), record.speaker_id)
 
     async def delete_speaker(self, speaker_id: str) -> None:
         """Delete a stored speaker and drop what the flow cached for it (its prompt prefix)."""

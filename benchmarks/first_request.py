@@ -1,11 +1,12 @@
 """A newly registered speaker's first request against its warm ones, through the gRPC server.
 
 Per trial a fresh speaker is registered while the server is serving, then one streamed request
-by it (the cold one) and --warm more (the same text). With the exact flow cache on
-(token2wav.flow_cache, the CPU default) a registration computes the speaker's flow prompt prefix,
-so the first request does not; run with --flow-cache off to compare against recomputing flows.
-Prints per setting: registration time, the cold request's first chunk, the warm median and their
-ratio (medians over --trials speakers).
+by it (the cold one) and --warm more (the same text); then the server restarts on the same
+speaker store and each speaker again makes one cold request and --warm more. With the exact flow
+cache on (token2wav.flow_cache, the CPU default) a registration, and the warm-up of a start,
+compute the speakers' flow prompt prefixes, so their first requests do not; --flow-cache off
+compares against recomputing flows. Prints per setting and phase: registration time, the cold
+request's first chunk, the warm median and their ratio (medians over --trials speakers).
 
     python benchmarks/first_request.py [--model-dir DIR] [--trials 3] [--warm 5] [--flow-cache on off]
 """
@@ -61,11 +62,25 @@ async def _warmup_speaker(client: CosyVoiceClient) -> str:
     return "first_request_warmup"
 
 
-def run_setting(model_dir: str | None, flow_cache: bool, n_trials: int, n_warm: int) -> list[dict]:
+async def after_restart(target: str, speakers: list[str], n_warm: int) -> list[dict]:
+    """Each speaker's first request on a restarted server (same store), then its warm ones."""
+    out = []
+    async with CosyVoiceClient(target) as client:
+        for speaker in speakers:
+            cold = await first_chunk(client, speaker, seed=0)
+            warm = [await first_chunk(client, speaker, seed=k + 1) for k in range(n_warm)]
+            out.append({"speaker": speaker, "cold_s": cold, "warm_s": warm})
+    return out
+
+
+def run_setting(model_dir: str | None, flow_cache: bool, n_trials: int, n_warm: int) -> dict[str, list[dict]]:
     cfg = Config.model_validate({"model": {"dir": model_dir}, "speakers": {"dir": tempfile.mkdtemp()},
                                  "token2wav": {"flow_cache": flow_cache}, "server": {"port": 0}})
     with ServerThread(cfg) as st:
-        return asyncio.run(trials(st.target, n_trials, n_warm))
+        registered = asyncio.run(trials(st.target, n_trials, n_warm))
+    with ServerThread(cfg) as st:  # a restart on the same speaker store
+        restarted = asyncio.run(after_restart(st.target, [r["speaker"] for r in registered], n_warm))
+    return {"registered_while_serving": registered, "after_restart": restarted}
 
 
 def main() -> None:
@@ -79,13 +94,14 @@ def main() -> None:
 
     results = {}
     for setting in args.flow_cache:
-        rows = run_setting(args.model_dir, setting == "on", args.trials, args.warm)
-        results[f"flow_cache_{setting}"] = rows
-        cold = statistics.median(r["cold_s"] for r in rows)
-        warm = statistics.median(statistics.median(r["warm_s"]) for r in rows)
-        reg = statistics.median(r["registration_s"] for r in rows)
-        print(f"flow cache {setting:3s}: registration {reg * 1e3:7.1f} ms   first request {cold * 1e3:7.1f} ms   "
-              f"warm median {warm * 1e3:7.1f} ms   first / warm x{cold / warm:.2f}   ({len(rows)} speakers)")
+        phases = results[f"flow_cache_{setting}"] = run_setting(args.model_dir, setting == "on", args.trials, args.warm)
+        for phase, rows in phases.items():
+            cold = statistics.median(r["cold_s"] for r in rows)
+            warm = statistics.median(statistics.median(r["warm_s"]) for r in rows)
+            reg = (f"registration {statistics.median(r['registration_s'] for r in rows) * 1e3:6.1f} ms   "
+                   if "registration_s" in rows[0] else "")
+            print(f"flow cache {setting:3s}, {phase.replace('_', ' '):25s} {reg}first request {cold * 1e3:6.1f} ms   "
+                  f"warm median {warm * 1e3:6.1f} ms   first / warm x{cold / warm:.2f}   ({len(rows)} speakers)")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

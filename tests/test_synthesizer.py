@@ -8,6 +8,7 @@ import torch
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import InvalidRequest, SpeakerNotFound, Unsupported
+from async_cosyvoice.flow_cache import speaker_prefix_tokens, state_nbytes
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.tts import SyncSynthesizer
@@ -174,6 +175,28 @@ def test_registration_caches_the_speaker_prompt_prefix(synth, prompt):
     assert "fresh" in cache and not torch.equal(cache._items["fresh"][2], old_tokens)
     synth.call(synth.synth.delete_speaker("fresh"))
     assert "fresh" not in cache
+
+
+def test_start_computes_the_prefixes_of_the_newest_speakers_that_fit(tiny_dir, tmp_path, prompt):
+    """The warm-up before SERVING computes the flow prompt prefixes of the speakers registered last,
+    as many as flow_cache_speaker_bytes holds, newest first; sft speakers have none."""
+    spk = tmp_path / "spk"
+    base = {"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(spk)}}
+    with SyncSynthesizer(Config.model_validate(base)) as first:
+        first.synth.speakers.import_spk2info(tiny_dir / "spk2info.pt")  # tiny_zs_spk (zero-shot), tiny_sft_spk
+        time.sleep(0.01)
+        first.register_speaker("older", "The morning train was late again.", prompt)
+        time.sleep(0.01)
+        first.register_speaker("newest", "The morning train was late again.", prompt)
+        n_prompt = first.synth.speakers.get("newest").voice.n_tokens
+        dims = first.synth.dims.flow
+    one = state_nbytes(dims, speaker_prefix_tokens(n_prompt, dims.encoder.static_chunk_size, dims.pre_lookahead_len),
+                       torch.float32)
+    for budget, expected in ((2 << 30, {"tiny_zs_spk", "older", "newest"}), (one + 1, {"newest"})):
+        config = Config.model_validate({**base, "token2wav": {"flow_cache_speaker_bytes": budget}})
+        with SyncSynthesizer(config, warmup=True) as started:
+            cache = started.synth.batcher.runner.speaker_prefixes
+            assert set(cache._items) == expected, (budget, set(cache._items))
 
 
 @pytest.mark.slow
