@@ -109,7 +109,7 @@ class GraphBuckets:
     def _capture(self, bucket: Bucket, inputs: dict[str, Tensor]) -> CapturedCall:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        log.info("capturing the %s CUDA graph for %d streams x %d %s", self.what, *bucket, self.unit)
+        log.info("capturing the %s CUDA graph for batch %d x %d %s", self.what, *bucket, self.unit)
         buffers = self._buffers(bucket, inputs)
         graph = self.graphs[bucket] = CapturedCall(self._fn(bucket), buffers, self.device, self._pool)
         return graph
