@@ -557,7 +557,8 @@ class Token2WavRunner:
         flow cache is off, the prompt is too short or past the cache budget)."""
         if not self.flow_cache or stream.prompt_key is None:
             return False
-        self._speaker_prefix(stream)
+        with self.cuda_stream():  # the batches' stream: they see the prefix complete
+            self._speaker_prefix(stream)
         return stream.prompt_key in self.speaker_prefixes
 
     def _speaker_prefix(self, s: "Token2WavStream") -> FlowState | None:
