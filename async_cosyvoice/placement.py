@@ -162,7 +162,7 @@ class ReplicaRouter:
         # that computed it (on an H200 pair the first request after a registration took 1.39 s, 9x the
         # warm first chunk, on the other replica); one at a time: warm-up compiles (see create)
         for r in self.replicas:
-            if r is not replica:
+            if r is not replica and r.synth.ready:  # a stopped replica takes no requests
                 await r.synth.prepare_speaker(record)
         return record
 

@@ -130,6 +130,14 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         assert [r.served - b for r, b in zip(router.replicas, before)] == [0, 2]
         assert router.ready and all(r.active == 0 for r in router.replicas)
 
+        async def register_late():  # with replica 0 stopped: registered on replica 1 alone
+            async with CosyVoiceClient(st.target) as client:
+                await client.register_speaker("late_voice", PROMPT_TEXT, prompt)
+        st.call(register_late(), timeout=300)
+        assert "late_voice" in router.replicas[1].synth.batcher.runner.speaker_prefixes
+        st.call(_speak(st.target, 1, mode="zero_shot_by_spk_id", speaker_id="late_voice"), timeout=600)
+        st.call(router.delete_speaker("late_voice"), timeout=60)
+
         # deleting the speaker drops its cached flow prompt prefix on every replica
         assert prefixes() == [1, 1]
 
