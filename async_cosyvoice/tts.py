@@ -273,7 +273,11 @@ class Synthesizer:
             raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
         record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text))
         await self._in_cpu(self.speakers.put, record, overwrite)
-        await self.prepare_speaker(record)
+        try:
+            await self.prepare_speaker(record)
+        except Exception as e:  # noqa: BLE001 — stored and usable: its first request does what this could not
+            log.warning("speaker %r is stored, but preparing it failed (%s: %s); its first request will compute "
+                        "what preparing would have", speaker_id, type(e).__name__, e)
         return record
 
     async def prepare_speaker(self, record: SpeakerRecord) -> None:

@@ -177,6 +177,17 @@ def test_registration_caches_the_speaker_prompt_prefix(synth, prompt):
     assert "fresh" not in cache
 
 
+def test_registration_stands_when_preparing_the_speaker_fails(tiny_dir, tmp_path, prompt, caplog):
+    """Preparing is an optimization: with the token2wav stage already closed the speaker is still
+    stored and the registration returns it, with a warning."""
+    config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")}})
+    with SyncSynthesizer(config) as s:
+        s.call(s.synth.batcher.close())
+        record = s.register_speaker("stored_anyway", "The morning train was late again.", prompt)
+        assert s.synth.speakers.get("stored_anyway").voice.n_tokens == record.voice.n_tokens > 0
+    assert any("'stored_anyway' is stored, but preparing it failed" in r.getMessage() for r in caplog.records)
+
+
 def test_start_computes_the_prefixes_of_the_newest_speakers_that_fit(tiny_dir, tmp_path, prompt):
     """The warm-up before SERVING computes the flow prompt prefixes of the speakers registered last,
     as many as flow_cache_speaker_bytes holds, newest first; sft speakers have none."""
