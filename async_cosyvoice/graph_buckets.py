@@ -1,16 +1,17 @@
-"""Calls captured as CUDA graphs by (streams, length) bucket: the whole flow call (flow_graphs.py),
+"""Calls captured as CUDA graphs by (batch, length) bucket: the whole flow call (flow_graphs.py),
 HiFT (hift_graphs.py) and the flow estimator's single steps (estimator/torch_backend.py).
 
-A call of B streams of length L takes the smallest stream bucket >= B and L rounded up like the
-estimator's lengths (`length_bucket`, steps of >= `min_step`: <= 12.5 % padding), for buckets of at
-most `max_bucket_size` streams x length (None: no limit) and at most `max_graphs` graphs; past that
-the caller runs it without a graph. A bucket's graph is captured on its first call (`warmup` captures chosen ones
-ahead), and all of them share one memory pool, so each call's outputs are overwritten by the next
-replay: callers copy out what they keep. Off CUDA (`cuda_graphs=False`) the call runs on inputs
-padded to the bucket, without a graph: the tests use it to check that padding changes nothing.
+A call of batch B (streams; estimator rows) and length L takes the smallest batch bucket >= B and
+L rounded up (`length_bucket`, steps of >= `min_step`: <= 12.5 % padding), for buckets of at most
+`max_bucket_size` batch x length (None: no limit) and at most `max_graphs` graphs; past that the
+caller runs it without a graph. A bucket's graph is captured on its first call (`warmup` captures
+chosen ones ahead), and all of them share one memory pool, so each call's outputs are overwritten
+by the next replay: callers copy out what they keep. Off CUDA (`cuda_graphs=False`) the call runs
+on inputs padded to the bucket, without a graph: the tests use it to check that padding changes
+nothing.
 
 A subclass says what runs in a bucket (`_fn`), the static shape of each input there
-(`_buffer_shape`) and inputs to capture it with (`_example`).
+(`_buffer_shape`) and inputs to capture it with (`_example`, for `warmup`).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def batch_bucket(batch: int, buckets: Sequence[int]) -> int | None:
 
 
 class GraphBuckets:
-    what = "call"     # for the log: "capturing the <what> CUDA graph for B streams x T <unit>"
+    what = "call"     # for the log: "capturing the <what> CUDA graph for batch B x T <unit>"
     unit = "positions"
 
     def __init__(self, device: torch.device, *, cuda_graphs: bool | None, batch_buckets: Sequence[int],

@@ -102,8 +102,9 @@ class _Sent:
 
 class Token2WavProcess:
     """The token2wav stage of one device in a child process; in the Synthesizer's `batcher` slot
-    (open_stream, submit, pick, stage_stats_list, prepare_speaker, forget_speaker, capture_graphs, wait_dead,
-    close). Construction blocks until the child has loaded its models (call it off the loop)."""
+    (open_stream, submit, pick, stage_stats_list, prepare_speaker, forget_speaker, capture_graphs,
+    wait_dead, close). Construction blocks until the child has loaded its models (call it off the
+    loop)."""
 
     def __init__(self, config: Config, device: str):
         self.device = device

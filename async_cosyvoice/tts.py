@@ -36,6 +36,7 @@ from .engine.base import (
     length_limits,
 )
 from .errors import InvalidRequest, SpeakerExists, SpeakerNotFound, TextTimeout, Unsupported
+from .flow_cache import speaker_prefix_tokens, state_nbytes
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
@@ -44,7 +45,6 @@ from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
-from .flow_cache import speaker_prefix_tokens, state_nbytes
 from .models.dims import RASParams
 from .offline import segments_at_once
 from .request import (
