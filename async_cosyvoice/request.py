@@ -192,6 +192,18 @@ class ChunkTiming:
     n_samples: int = 0
 
 
+@dataclass(frozen=True)
+class FirstChunkParts:
+    """Where a first chunk's time went (seconds): `tokens` from submission until its speech tokens
+    were there (LM prefill and steps), `wait` for a token2wav batch to take it, `t2w` its batch."""
+    tokens: float
+    wait: float
+    t2w: float
+
+    def __str__(self) -> str:  # the request log lines' first_chunk_parts (ms)
+        return f"tokens:{self.tokens * 1e3:.1f},wait:{self.wait * 1e3:.1f},t2w:{self.t2w * 1e3:.1f}"
+
+
 @dataclass
 class Timeline:
     """One utterance (text segment) from submission to its last chunk; metrics, logs and bench read it."""
@@ -205,12 +217,9 @@ class Timeline:
     def first_chunk_s(self) -> float | None:
         return self.chunks[0].done - self.submitted if self.chunks and self.chunks[0].done else None
 
-    def first_chunk_parts(self) -> str | None:
-        """Where the first chunk's time went, for a log line (ms): `tokens` from submission until its
-        speech tokens were there (LM prefill and steps), `wait` for a token2wav batch to take it,
-        `t2w` its batch; None if it was not rendered."""
+    def first_chunk_parts(self) -> FirstChunkParts | None:
+        """Where the first chunk's time went; None if it was not rendered."""
         c = self.chunks[0] if self.chunks else None
         if c is None or not (c.queued and c.started and c.done):
             return None
-        return (f"tokens:{(c.queued - self.submitted) * 1e3:.1f},wait:{(c.started - c.queued) * 1e3:.1f},"
-                f"t2w:{(c.done - c.started) * 1e3:.1f}")
+        return FirstChunkParts(c.queued - self.submitted, c.started - c.queued, c.done - c.started)

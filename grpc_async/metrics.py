@@ -8,6 +8,7 @@ answers `GET /metrics` only; every other path is 404.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from http.server import ThreadingHTTPServer
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import MetricsHandler
 
+from async_cosyvoice.request import FirstChunkParts
 from async_cosyvoice.stage_stats import StageStats
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,11 @@ class Metrics:
         self.first_chunk_latency = Histogram(
             "cosyvoice_first_chunk_latency_seconds", "Server-side time from request to first audio chunk",
             ["mode", "stream"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.first_chunk_parts = Histogram(
+            "cosyvoice_first_chunk_part_seconds",
+            "Where first chunks' time went: tokens (until the LM's speech tokens were there), wait (for a "
+            "token2wav batch to take the chunk), t2w (its batch)",
+            ["part"], buckets=_LATENCY_BUCKETS, registry=r)
         self.rtf = Histogram(
             "cosyvoice_rtf", "Real-time factor of completed syntheses (wall time / audio time)",
             ["mode", "stream"], buckets=_RTF_BUCKETS, registry=r)
@@ -67,14 +74,19 @@ class Metrics:
         self._http: ThreadingHTTPServer | None = None
 
     def record_request(self, method: str, mode: str, status: str, ok: bool, stream: str, elapsed: float,
-                       first_chunk: float | None, audio_seconds: float, tokens: int, chunks: int) -> None:
+                       first_chunk: float | None, audio_seconds: float, tokens: int, chunks: int,
+                       first_chunk_parts: FirstChunkParts | None = None) -> None:
         """One finished request of either front door (gRPC or HTTP): its counters and, when it
-        succeeded with audio, its latency, RTF, audio and token totals."""
+        succeeded with audio, its latency (and where its first chunk's went), RTF, audio and
+        token totals."""
         self.requests.labels(method, mode, status).inc()
         self.request_duration.labels(method).observe(elapsed)
         if chunks and ok:
             if first_chunk is not None:
                 self.first_chunk_latency.labels(mode, stream).observe(first_chunk)
+            if first_chunk_parts is not None:
+                for part, seconds in dataclasses.asdict(first_chunk_parts).items():
+                    self.first_chunk_parts.labels(part).observe(seconds)
             if audio_seconds > 0:
                 self.rtf.labels(mode, stream).observe(elapsed / audio_seconds)
             self.audio_seconds.labels(mode).inc(audio_seconds)

@@ -240,15 +240,16 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         elapsed = call.elapsed()
         first = call.first_chunk_latency
         stream = "-" if call.stream is None else str(call.stream).lower()
+        parts = call.first_timeline.first_chunk_parts() if call.first_timeline else None
         self.metrics.record_request(call.method, call.mode, call.status, call.status == "OK", stream, elapsed,
-                                    first, call.audio_seconds, call.tokens, call.chunks)
+                                    first, call.audio_seconds, call.tokens, call.chunks, parts)
         level = logging.INFO if call.status in ("OK", "CANCELLED") else logging.WARNING
         log.log(level,
                 "rpc method=%s id=%s mode=%s stream=%s status=%s latency_ms=%.1f first_chunk_ms=%s "
                 "first_chunk_parts=%s audio_s=%.3f tokens=%d chunks=%d peer=%s%s%s",
                 call.method, call.request_id, call.mode, stream, call.status, elapsed * 1e3,
                 "-" if first is None else f"{first * 1e3:.1f}",
-                (call.first_timeline and call.first_timeline.first_chunk_parts()) or "-", call.audio_seconds,
+                parts or "-", call.audio_seconds,
                 call.tokens, call.chunks, call.context.peer(),
                 f" speaker={call.speaker_id!r}" if call.speaker_id else "", f" detail={call.detail!r}" if call.detail else "")
 

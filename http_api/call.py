@@ -74,15 +74,16 @@ class HttpCall:
         elapsed = self.elapsed()
         first = self.first_chunk_latency
         stream = "-" if self.stream is None else str(self.stream).lower()
+        parts = self.first_timeline.first_chunk_parts() if self.first_timeline else None
         metrics.record_request(self.method, self.mode, self.status, self.status == "200", stream, elapsed,
-                               first, self.audio_seconds, self.tokens, self.chunks)
+                               first, self.audio_seconds, self.tokens, self.chunks, parts)
         level = logging.INFO if self.status in ("200", "CANCELLED") else logging.WARNING
         log.log(level,
                 "http method=%r id=%s mode=%s stream=%s format=%s status=%s latency_ms=%.1f first_chunk_ms=%s "
                 "first_chunk_parts=%s audio_s=%.3f tokens=%d chunks=%d bytes=%d peer=%s%s%s",
                 self.method, self.request_id, self.mode, stream, self.format or "-", self.status, elapsed * 1e3,
                 "-" if first is None else f"{first * 1e3:.1f}",
-                (self.first_timeline and self.first_timeline.first_chunk_parts()) or "-",
+                parts or "-",
                 self.audio_seconds, self.tokens, self.chunks,
                 self.bytes_out, self.peer, f" voice={self.voice!r}" if self.voice else "",
                 f" detail={self.detail!r}" if self.detail else "")

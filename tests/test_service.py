@@ -441,7 +441,9 @@ def test_first_chunk_parts_need_a_rendered_first_chunk():
     timeline.chunks.append(ChunkTiming(queued=10.05, started=10.06))
     assert timeline.first_chunk_parts() is None  # not back yet
     timeline.chunks[0].done = 10.1
-    assert timeline.first_chunk_parts() == "tokens:50.0,wait:10.0,t2w:40.0"
+    parts = timeline.first_chunk_parts()
+    assert str(parts) == "tokens:50.0,wait:10.0,t2w:40.0"
+    assert (parts.tokens, parts.wait, parts.t2w) == pytest.approx((0.05, 0.01, 0.04))
 
 
 # ---- compressed encodings, GetServerInfo, error details (issue 12) ----
@@ -902,13 +904,26 @@ def test_16_concurrent_clients(server, fixture_audio):
 
 
 def test_metrics_endpoint(server):
-    run(_synth(server, "Hi.", mode="sft", speaker_id="tiny_sft_spk", seed=1))
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def part_counts(text: str) -> dict[str, float]:
+        return {p: float(n) for p, n in re.findall(r'^cosyvoice_first_chunk_part_seconds_count\{part="(\w+)"\} (\S+)$',
+                                                   text, re.M)}
+
+    before = part_counts(scrape())
+    run(_synth(server, "Hi.", mode="sft", speaker_id="tiny_sft_spk", seed=1, stream=True))
+    text = scrape()
     assert 'cosyvoice_requests_total{method="Synthesize",mode="sft",status="OK"}' in text
     for name in ("cosyvoice_active_streams", "cosyvoice_first_chunk_latency_seconds_bucket", "cosyvoice_rtf_bucket",
                  "cosyvoice_engine_running_requests", "cosyvoice_engine_waiting_requests", "cosyvoice_ready 1.0"):
         assert name in text, name
+    deadline = time.monotonic() + 10  # the handler records its metrics just after the client's last message
+    while (after := part_counts(scrape())) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # the request's first chunk, split three ways
+    assert {p: after[p] - before.get(p, 0) for p in after} == {"tokens": 1, "wait": 1, "t2w": 1}
 
 
 def test_reflection_lists_the_service(server):
