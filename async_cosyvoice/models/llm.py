@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -53,7 +54,7 @@ class CosyVoice2LM(nn.Module):
 
     def embed_prompt(self, text_tokens: Sequence[int] | Tensor, prompt_speech_tokens: Sequence[int] | Tensor) -> Tensor:
         """[L, H] prefill embeddings, L = len(text) + len(prompt speech) + 2."""
-        text, speech = (tuple(torch.as_tensor(t).reshape(-1).tolist()) for t in (text_tokens, prompt_speech_tokens))
+        text, speech = (_token_ids(t) for t in (text_tokens, prompt_speech_tokens))
         return self.embed_parts(prompt_parts(text, speech))
 
     def embed_parts(self, parts: Sequence[Part]) -> Tensor:
@@ -100,3 +101,8 @@ class CosyVoice2LM(nn.Module):
             x = self.embed_speech(torch.tensor([[token]], device=x.device))
             positions = torch.tensor([[prompt_len + step]], device=x.device)
         return out
+
+
+def _token_ids(tokens: Sequence[int] | Tensor) -> tuple[int, ...]:
+    """Flat ids of a tensor, list or (read-only) numpy array."""
+    return tuple(tokens.reshape(-1).tolist() if isinstance(tokens, Tensor) else np.asarray(tokens).reshape(-1).tolist())
