@@ -154,6 +154,16 @@ def test_stage_counters_from_prometheus_text():
                              "items_per_call": 4.0, "failed": 1}
     assert d["token2wav_batch"]["busy_fraction"] == 0.75 and d["token2wav_batch"]["items_per_call"] == 4.0
 
+    # where first chunks' time went: a stage per part, its ms_per_call the part's mean
+    from async_cosyvoice.request import FirstChunkParts
+    for parts in (FirstChunkParts(0.05, 0.01, 0.04), FirstChunkParts(0.07, 0.03, 0.06)):
+        metrics.record_request("Synthesize", "sft", "OK", True, "true", 0.5, 0.1, 1.0, 25, 2, parts)
+    d = bench.stage_delta(after, bench.parse_prometheus(generate_latest(metrics.registry).decode()), wall_s=2.0)
+    assert {p: (d[f"first_chunk_{p}"]["calls"], round(d[f"first_chunk_{p}"]["ms_per_call"], 6))
+            for p in ("tokens", "wait", "t2w")} == {"tokens": (2, 60.0), "wait": (2, 20.0), "t2w": (2, 50.0)}
+    table = bench.format_stages([{"concurrency": 1, "stages": d}])
+    assert table.splitlines()[-1].split()[-3:] == ["60.0", "20.0", "50.0"]
+
 
 def test_synthetic_prompt_is_deterministic_and_bounded():
     a, b = bench.synthetic_prompt(2.0, seed=3), bench.synthetic_prompt(2.0, seed=3)
@@ -350,6 +360,7 @@ def test_h200_server_script_quick_on_cpu(tmp_path):
     for lv in r["levels"]:
         assert lv["errors"] == 0 and lv["audio_s"] == pytest.approx(lv["requests"] * 20 * bench.SECONDS_PER_TOKEN)
         assert lv["stages"]["token2wav_batch"]["calls"] > 0  # the server's counters, over Prometheus
+        assert lv["stages"]["first_chunk_t2w"]["calls"] > 0 and lv["stages"]["first_chunk_t2w"]["ms_per_call"] > 0
     assert r["meta"]["phases"]["server_start_s"] > 0 and len(r["summary"]) == 10
     # the second start of the same server: its own time to SERVING, its first request and warm ones
     assert r["restart"]["start_s"] > 0 and r["restart"]["first_request"]["errors"] == 0

@@ -4,6 +4,11 @@
 In-process they are read from the Synthesizer; over gRPC from the server's Prometheus endpoint
 (`server.metrics_port`), where they are `cosyvoice_stage_{busy_seconds,calls,items}_total`. The
 benchmark never wraps or patches what it measures.
+
+From a server also where its streamed first chunks' time went
+(`cosyvoice_first_chunk_part_seconds{part}`), as the stages `first_chunk_tokens`,
+`first_chunk_wait` and `first_chunk_t2w`: `calls` first chunks, `busy_s` their seconds in that
+part, so a level's `ms_per_call` is the part's mean.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ if TYPE_CHECKING:
 # Prometheus counter (without `_total`) -> StageStats field
 PROMETHEUS_FIELDS = {"cosyvoice_stage_busy_seconds": "busy_s", "cosyvoice_stage_calls": "calls",
                      "cosyvoice_stage_items": "items", "cosyvoice_stage_failed_calls": "failed"}
+FIRST_CHUNK_PARTS = "cosyvoice_first_chunk_part_seconds"  # histogram, label part: tokens, wait, t2w
 
 
 class StageCounters(Protocol):
@@ -59,6 +65,14 @@ class PrometheusStages:
 def parse_prometheus(text: str) -> dict[str, StageStats]:
     out: dict[str, StageStats] = {}
     for family in text_string_to_metric_families(text):
+        if family.name == FIRST_CHUNK_PARTS:
+            for sample in family.samples:
+                name = f"first_chunk_{sample.labels.get('part')}"
+                if sample.name.endswith("_sum"):
+                    out.setdefault(name, StageStats(name)).busy_s = float(sample.value)
+                elif sample.name.endswith("_count"):
+                    out.setdefault(name, StageStats(name)).calls = int(sample.value)
+            continue
         field = PROMETHEUS_FIELDS.get(family.name)
         if field is None:
             continue
