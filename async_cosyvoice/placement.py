@@ -283,8 +283,7 @@ async def create_disaggregated(config: Config, warmup: bool = True) -> Synthesiz
     pool = synth.batcher
     if warmup:
         synth.ready = False
-        for _ in pool.workers:  # sequential streams go round the workers: each is warmed once
-            await synth.warmup()
+        await synth.warmup(rounds=len(pool.workers))
         synth.ready = True
     log.info("LLM on %s, token2wav on %s", llm_device, ", ".join(t2w_devices))
     return synth

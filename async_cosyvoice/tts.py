@@ -169,11 +169,14 @@ class Synthesizer:
                    text_frontend=text_frontend, prompt_encoder=prompt_encoder, speakers=speakers,
                    engine=engine, batcher=batcher)
 
-    async def warmup(self) -> None:
+    async def warmup(self, rounds: int = 1) -> None:
         """Before SERVING: every stage once, where shapes are captured every batch size for the
         registered speakers' prompt lengths (warmup.py), and the flow prompt prefixes of the
-        speakers registered last (`prepare_stored_speakers`)."""
-        await self.warming.run(self.synthesize)
+        speakers registered last (`prepare_stored_speakers`, on every token2wav device at once).
+        rounds: how often the warm-up requests run (a token2wav pool's sequential streams go round
+        its workers: one round per worker warms each)."""
+        for _ in range(rounds):
+            await self.warming.run(self.synthesize)
         await self.prepare_stored_speakers()
 
     async def prepare_stored_speakers(self) -> int:
