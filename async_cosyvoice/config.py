@@ -73,7 +73,7 @@ class Token2WavConfig(_Section):
     estimator_max_frames: int = Field(3000, ge=4)  # TensorRT profile max (prompt + target mel frames)
     estimator_opt_frames: int = Field(500, ge=4)
     estimator_chunked_graph: bool = True  # onnxruntime / tensorrt: a chunked-attention graph for streaming chunks
-    # the exact flow state cache (flow_cache.py): streaming chunks compute only the frames after the
+    # the exact flow state cache (token2wav/flow_cache.py): streaming chunks compute only the frames after the
     # stream's cached prefix (or its registered speaker's prompt prefix), on the flow's PyTorch module
     flow_cache: bool = True
     flow_cache_speaker_bytes: int = Field(2 << 30, ge=0)  # device memory for speakers' prompt prefixes (LRU)
@@ -87,16 +87,16 @@ class Token2WavConfig(_Section):
     offline_wait_ms: float = Field(10.0, ge=0)  # the oldest waits this long for others before a batch is taken
     offline_segments_ahead: int = Field(8, ge=1)  # a non-streaming request's text segments running at once
     # the recomputing flow calls (flow_cache off; final and non-streaming calls) as one CUDA graph per
-    # (streams, tokens) bucket of at most flow_graph_max_tokens streams x tokens (flow_graphs.py); CUDA
+    # (streams, tokens) bucket of at most flow_graph_max_tokens streams x tokens (token2wav/flow_graphs.py); CUDA
     # devices, estimator torch or compiled (inside the graph: the compiled module without its own graphs)
     flow_graphs: bool = False
     flow_graph_max_tokens: int = Field(8192, ge=1)
     # HiFT's calls (streaming chunks of many streams, padded; offline groups that fit) as one CUDA
     # graph per (streams, mel frames) bucket of at most hift_graph_max_frames streams x frames
-    # (hift_graphs.py); CUDA devices
+    # (token2wav/hift_graphs.py); CUDA devices
     hift_graphs: bool = False
     hift_graph_max_frames: int = Field(8192, ge=1)
-    # flow + HiFT in a child process per device (token2wav_process.py): out of the server's GIL
+    # flow + HiFT in a child process per device (token2wav/process.py): out of the server's GIL
     process: bool = False
 
     @model_validator(mode="after")

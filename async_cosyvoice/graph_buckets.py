@@ -1,5 +1,5 @@
-"""Calls captured as CUDA graphs by (batch, length) bucket: the whole flow call (flow_graphs.py),
-HiFT (hift_graphs.py) and the flow estimator's single steps (estimator/torch_backend.py).
+"""Calls captured as CUDA graphs by (batch, length) bucket: the whole flow call (token2wav/flow_graphs.py),
+HiFT (token2wav/hift_graphs.py) and the flow estimator's single steps (estimator/torch_backend.py).
 
 A call of batch B (streams; estimator rows) and length L takes the smallest batch bucket >= B and
 L rounded up (`length_bucket`, steps of >= `min_step`: <= 12.5 % padding), for buckets of at most

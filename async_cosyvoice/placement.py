@@ -27,11 +27,11 @@ from .config import Config
 from .engine.base import EngineStats, first_death
 from .errors import NotReady
 from .model_dir import ModelDir
-from .token2wav import Token2WavJob, Token2WavStream
-from .token2wav_batcher import Token2WavBatcher
 from .request import Audio, AudioChunk, SynthesisRequest
 from .stage_stats import StageStats, totals
-from .token2wav_process import token2wav_worker
+from .token2wav import Token2WavJob, Token2WavStream
+from .token2wav.batcher import Token2WavBatcher
+from .token2wav.process import token2wav_worker
 from .tts import Synthesizer
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,13 @@ from .engine.base import (
     first_death,
     length_limits,
 )
-from .errors import InvalidRequest, SpeakerExists, SpeakerNotFound, TextTimeout, Unsupported
-from .flow_cache import speaker_prefix_tokens, state_nbytes
+from .errors import (
+    InvalidRequest,
+    SpeakerExists,
+    SpeakerNotFound,
+    TextTimeout,
+    Unsupported,
+)
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
@@ -60,8 +65,9 @@ from .speaker_store import open_speaker_store
 from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule
-from .token2wav_batcher import Token2WavBatcher
-from .token2wav_process import token2wav_worker
+from .token2wav.batcher import Token2WavBatcher
+from .token2wav.flow_cache import speaker_prefix_tokens, state_nbytes
+from .token2wav.process import token2wav_worker
 from .utterance import Playback, Utterance
 from .warmup import Warmup, compile_in_use, use_compile_cache
 
@@ -285,7 +291,7 @@ class Synthesizer:
 
     async def prepare_speaker(self, record: SpeakerRecord) -> None:
         """What a stored speaker's first request would otherwise compute: its flow prompt prefix on
-        every token2wav device (the exact flow cache, flow_cache.py) and, where warm-up covers
+        every token2wav device (the exact flow cache, token2wav/flow_cache.py) and, where warm-up covers
         shapes (CUDA) and the model is ready, its prompt length's graphs (warmup.py)."""
         await self._prepare_prefix(record)
         if self.ready:

@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from async_cosyvoice.flow_cache import speaker_prefix_tokens, state_nbytes
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.dims import FlowDims
 from async_cosyvoice.models.hift import NSFNoise
 from async_cosyvoice.random_model import ensure_random_model
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+from async_cosyvoice.token2wav.flow_cache import speaker_prefix_tokens, state_nbytes
 
 MB = 1 << 20
 

@@ -6,13 +6,13 @@ set-up asked for (`--setups`):
 - `compiled`: the compiled estimator with CUDA graphs per (batch, length) bucket (recomputing);
 - `cache`: the exact flow cache (the flow's eager PyTorch module on new frames only);
 - `graphs`: the compiled estimator with the whole flow call as one CUDA graph per (streams, tokens)
-  bucket (flow_graphs.py; recomputing);
+  bucket (token2wav/flow_graphs.py; recomputing);
 - `chunk-graphs`: `graphs`, and HiFT as one CUDA graph per (streams, mel frames) bucket
-  (hift_graphs.py): the whole chunk in two graph replays.
+  (token2wav/hift_graphs.py): the whole chunk in two graph replays.
 
 With `--hift-batch N` each set-up also times HiFT over N streams' chunks of different lengths (a
 batch as the server has them: 8 cached frames + 30..120 new): one call per distinct length (how
-HiFT batched before hift_graphs.py), one padded call, and (chunk-graphs) its graph.
+HiFT batched before token2wav/hift_graphs.py), one padded call, and (chunk-graphs) its graph.
 
 Kernel launches are counted from a torch.profiler trace of one first chunk (flow + HiFT): runtime
 calls `cudaLaunchKernel*` / `cuLaunchKernel*` (one kernel each) and `cudaGraphLaunch` (one captured
@@ -31,11 +31,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from async_cosyvoice.estimator import make_estimator
-from async_cosyvoice.flow_graphs import FlowGraphs
-from async_cosyvoice.hift_graphs import HiFTGraphs, render_group
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import NSFNoise
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+from async_cosyvoice.token2wav.flow_graphs import FlowGraphs
+from async_cosyvoice.token2wav.hift_graphs import HiFTGraphs, render_group
 
 KERNEL_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 GRAPH_CALLS = ("cudaGraphLaunch",)

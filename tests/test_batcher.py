@@ -12,14 +12,19 @@ import time
 
 import numpy as np
 import pytest
-from conftest import next_job_upto
 import torch
+from conftest import next_job_upto
 
 from async_cosyvoice.estimator import TorchEstimator
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import NSFNoise
-from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream, length_groups
-from async_cosyvoice.token2wav_batcher import Token2WavBatcher
+from async_cosyvoice.token2wav import (
+    ChunkSchedule,
+    Token2WavRunner,
+    Token2WavStream,
+    length_groups,
+)
+from async_cosyvoice.token2wav.batcher import Token2WavBatcher
 
 torch.set_num_threads(1)
 

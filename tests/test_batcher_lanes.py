@@ -13,15 +13,15 @@ import time
 
 import numpy as np
 import pytest
-from conftest import next_job_upto
 import torch
+from conftest import next_job_upto
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import NSFNoise
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
-from async_cosyvoice.token2wav_batcher import FIRST_LANE, Token2WavBatcher
-from async_cosyvoice.token2wav_stage import token2wav_batcher
+from async_cosyvoice.token2wav.batcher import FIRST_LANE, Token2WavBatcher
+from async_cosyvoice.token2wav.stage import token2wav_batcher
 
 torch.set_num_threads(1)
 

@@ -1,14 +1,17 @@
-"""The exact flow state cache (flow_cache.py, models/flow/prefix.py): every streamed chunk's flow mel
+"""The exact flow state cache (token2wav/flow_cache.py, models/flow/prefix.py): every streamed chunk's flow mel
 equals the full recompute (upstream's path), alone and batched across streams with different
 cached prefixes, with and without a registered speaker's prompt prefix."""
 import numpy as np
 import pytest
 import torch
 
-from async_cosyvoice.flow_cache import SpeakerPrefixCache, speaker_prefix_tokens
 from async_cosyvoice.models.flow.flow import Flow
 from async_cosyvoice.models.flow.prefix import FlowState, Geometry
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+from async_cosyvoice.token2wav.flow_cache import (
+    SpeakerPrefixCache,
+    speaker_prefix_tokens,
+)
 
 torch.set_num_threads(1)
 
@@ -175,7 +178,7 @@ def test_geometry_rejects_bad_ranges_and_state_mismatch(flow, prompts):
 
 def test_state_size_from_dims_matches_the_state(flow, hift, prompts):
     """state_nbytes (used for the full-size memory report) counts exactly what a state holds."""
-    from async_cosyvoice.flow_cache import state_nbytes
+    from async_cosyvoice.token2wav.flow_cache import state_nbytes
     runner = Token2WavRunner(flow, hift)
     state = runner._speaker_prefix(new_stream(prompts, "p24", 15, key="x"))
     assert state.nbytes() == state_nbytes(flow.dims, state.tokens, torch.float32)

@@ -1,4 +1,4 @@
-"""Whole flow calls per (streams, tokens) bucket (flow_graphs.py).
+"""Whole flow calls per (streams, tokens) bucket (token2wav/flow_graphs.py).
 
 On CPU the padded call runs without a graph: padding to the bucket must change no item's frames
 (atol 1e-5: summation order only), calls past the buckets must fall back to the plain flow, and a
@@ -12,9 +12,9 @@ import torch
 
 from async_cosyvoice.config import Token2WavConfig
 from async_cosyvoice.estimator import TorchEstimator
-from async_cosyvoice.flow_graphs import FlowGraphs
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+from async_cosyvoice.token2wav.flow_graphs import FlowGraphs
 
 PAD_ATOL = 1e-5
 

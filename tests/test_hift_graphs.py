@@ -1,5 +1,5 @@
 """HiFT over many streams' chunks: padded group calls with caches, and their CUDA graphs
-(hift_graphs.py, HiFT.inference_padded / render_padded).
+(token2wav/hift_graphs.py, HiFT.inference_padded / render_padded).
 
 On CPU: the written-out iSTFT equals torch.istft; a padded call of streaming-shaped items (8 cached
 mel frames + the chunk's, each with its cache_source and its own NSF noise) equals each item's own
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from async_cosyvoice.hift_graphs import HiFTGraphs, render_group
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import HiFT, NSFNoise, istft
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+from async_cosyvoice.token2wav.hift_graphs import HiFTGraphs, render_group
 
 SPEECH_ATOL = 1e-5   # float summation order (|speech| <= 0.99)
 SOURCE_ATOL = 1e-3   # the NSF phase reaches ~1e4 rad in float32

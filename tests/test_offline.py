@@ -18,8 +18,8 @@ import torch
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.hift import NSFNoise
 from async_cosyvoice.token2wav import Token2WavRunner, Token2WavStream
-from async_cosyvoice.token2wav_batcher import Token2WavBatcher
-from async_cosyvoice.token2wav_offline import OfflineLimits, padded_groups
+from async_cosyvoice.token2wav.batcher import Token2WavBatcher
+from async_cosyvoice.token2wav.offline import OfflineLimits, padded_groups
 
 torch.set_num_threads(1)
 

@@ -8,9 +8,9 @@ import torch
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import InvalidRequest, SpeakerNotFound, Unsupported
-from async_cosyvoice.flow_cache import speaker_prefix_tokens, state_nbytes
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest
+from async_cosyvoice.token2wav.flow_cache import speaker_prefix_tokens, state_nbytes
 from async_cosyvoice.tts import SyncSynthesizer
 
 SAMPLES_PER_TOKEN = 960
@@ -299,7 +299,7 @@ def test_cancel_drops_the_pending_token2wav_job(synth, prompt):
     import asyncio
 
     from async_cosyvoice.token2wav import ChunkSchedule, Token2WavStream
-    from async_cosyvoice.token2wav_batcher import Token2WavBatcher
+    from async_cosyvoice.token2wav.batcher import Token2WavBatcher
 
     s = synth.synth
     voice = s.speakers.get("reg").voice

@@ -1,4 +1,4 @@
-"""token2wav in a child process (`token2wav.process`, token2wav_process.py), on CPU with the tiny
+"""token2wav in a child process (`token2wav.process`, token2wav/process.py), on CPU with the tiny
 model: the same audio as in-process (streamed and not), a cancelled request drops its job and the
 child keeps serving, and the child's death ends requests with UNAVAILABLE, turns health
 NOT_SERVING and makes the server exit with code 3."""
@@ -20,7 +20,7 @@ from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.placement import Token2WavPool, create_synthesizer
 from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.speakers import SpeakerStore
-from async_cosyvoice.token2wav_process import Token2WavProcess
+from async_cosyvoice.token2wav.process import Token2WavProcess
 from async_cosyvoice.tts import Synthesizer
 from grpc_async.client import CosyVoiceClient, collect
 from grpc_async.server import ENGINE_DEAD_EXIT_CODE, ServerThread

@@ -48,7 +48,7 @@ class TorchEstimator:
     def __call__(self, x, mask, mu, t, spks, cond, streaming: bool | Tensor = False) -> Tensor:
         return self.module(x, mask, mu, t, spks, cond, streaming)
 
-    capturable = __call__  # what a caller capturing a larger CUDA graph runs (flow_graphs.py)
+    capturable = __call__  # what a caller capturing a larger CUDA graph runs (token2wav/flow_graphs.py)
 
 
 class CompiledEstimator(GraphBuckets):
@@ -88,7 +88,7 @@ class CompiledEstimator(GraphBuckets):
     def capturable(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                    streaming: bool | Tensor = False) -> Tensor:
         """The compiled module without this estimator's own graphs: what a caller capturing a larger
-        CUDA graph runs (flow_graphs.py; graphs cannot nest)."""
+        CUDA graph runs (token2wav/flow_graphs.py; graphs cannot nest)."""
         return self._call_module(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, streaming=streaming)
 
     @torch.inference_mode()

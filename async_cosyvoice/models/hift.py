@@ -17,7 +17,7 @@ noise) are controlled by `NSFNoise`.
 `inference` batches items of the same number of mel frames; a batched item then equals its own
 call up to float summation order (~1e-6). Items of different lengths go through
 `inference_padded` (offline batches; streaming chunks of many streams, with their caches; and
-`render_padded`, its device half, is what hift_graphs.py captures as CUDA graphs): right-padded,
+`render_padded`, its device half, is what token2wav/hift_graphs.py captures as CUDA graphs): right-padded,
 with every convolution's input masked to the item's length (so each conv sees the zeros its own
 padding would give), the NSF phase holding each item's last phase over the padding (an item's own
 call clamps its interpolation there), each item's cache_source over its head, the source's STFT
@@ -438,7 +438,7 @@ class HiFT(nn.Module):
     def render_padded(self, mel: Tensor, lengths: Tensor, rand_ini: Tensor, sine_noise: Tensor, cache: Tensor,
                       cache_lens: Tensor) -> tuple[Tensor, Tensor]:
         """Right-padded items in one call, from `padded_inputs`; no host syncs, so a CUDA graph can
-        capture it (hift_graphs.py). Returns speech (B, 480T), item b's first 480·lengths[b]
+        capture it (token2wav/hift_graphs.py). Returns speech (B, 480T), item b's first 480·lengths[b]
         samples its own `inference` call's up to float summation order (zero after), and the
         source (B, 1, 480T), item b's first 480·lengths[b] samples its own call's.
 

@@ -29,10 +29,10 @@ from ..frontend.text import write_text_golden
 from ..model_dir import ModelDir, Models, build_models, load_model_dir
 from ..models.dims import EOS_TOKEN
 from ..models.hift import NSFNoise
+from ..request import Mode, Voice
 from ..sampling import nucleus, ras_sample
 from ..token2wav import ChunkRecord, ChunkSchedule, Token2WavRunner, Token2WavStream
-from ..token2wav_offline import render_offline
-from ..request import Mode, Voice
+from ..token2wav.offline import render_offline
 
 PROMPT_WAVS = {"p24": "prompt_24k.wav", "p16": "prompt_16k.wav"}
 
@@ -250,7 +250,7 @@ def e2e(ctx: Context, name: str) -> dict[str, np.ndarray]:
     if streaming:
         chunks = runner.render(stream, [int(t) for t in g["token"][0]])
     else:
-        # the production non-streaming path: the offline renderer (token2wav_offline.py), in a
+        # the production non-streaming path: the offline renderer (token2wav/offline.py), in a
         # padded batch with a shorter utterance of the other prompt (its records are dropped)
         other = ctx.npz("e2e_stream_hop25_p16.npz")
         companion = Token2WavStream(ctx.t(other["prompt_token"]), ctx.t(other["prompt_feat"]),

@@ -12,7 +12,7 @@ from .metrics import RequestResult, summarize_level
 from .progress import Progress
 
 if TYPE_CHECKING:
-    from async_cosyvoice.token2wav_batcher import Token2WavBatcher
+    from async_cosyvoice.token2wav.batcher import Token2WavBatcher
     from async_cosyvoice.tts import Synthesizer
 
 
@@ -81,7 +81,7 @@ async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int,
     synthesizer must be idle meanwhile. Throughput = audio seconds rendered / wall seconds."""
     from async_cosyvoice.frontend.model_input import build_model_input
     from async_cosyvoice.request import Mode
-    from async_cosyvoice.token2wav_batcher import Token2WavBatcher
+    from async_cosyvoice.token2wav.batcher import Token2WavBatcher
 
     record = synth.speakers.get(speaker_id)
     voice = build_model_input(Mode.ZERO_SHOT_BY_SPK_ID, record.voice, text_tokens=(0,))

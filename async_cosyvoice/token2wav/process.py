@@ -4,7 +4,7 @@ Why: one Python process shares one GIL between the LLM step thread, the token2wa
 event loop and gRPC. On an H200 pair two in-process replicas' token2wav batches took twice as long
 with half the jobs (docs/deployment.md), and on one H100 a one-job batch took 77 ms in the server
 against ~60 ms alone. Here a child process (spawned: CUDA cannot be forked) loads flow + HiFT on
-its device and runs the same token2wav stage (token2wav_stage.py) on an event loop of its own.
+its device and runs the same token2wav stage (token2wav/stage.py) on an event loop of its own.
 
 The split of a stream: the server's Token2WavStream plans (tokens, hops, offsets: what
 `next_job` reads, and `advance` after each job) and holds no device state; the child's copy of
@@ -39,15 +39,15 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .config import Config
-from .demo import resolve_model_dir
-from .errors import EngineDead
-from .model_dir import ModelDir, load_model_dir
-from .stage_stats import StageStats
-from .token2wav import Token2WavJob, Token2WavStream
-from .token2wav_batcher import Token2WavBatcher
-from .token2wav_stage import device_token2wav_batcher
-from .warmup import compile_in_use, use_compile_cache
+from ..config import Config
+from ..demo import resolve_model_dir
+from ..errors import EngineDead
+from ..model_dir import ModelDir, load_model_dir
+from ..stage_stats import StageStats
+from ..warmup import compile_in_use, use_compile_cache
+from .batcher import Token2WavBatcher
+from .stage import device_token2wav_batcher
+from .stream import Token2WavJob, Token2WavStream
 
 log = logging.getLogger(__name__)
 

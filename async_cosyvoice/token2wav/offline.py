@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from .hift_graphs import render_group
-from .token2wav import ChunkRecord, Token2WavJob, Token2WavRunner
+from .runner import ChunkRecord, Token2WavRunner
+from .stream import Token2WavJob
 
 
 @dataclass(frozen=True)

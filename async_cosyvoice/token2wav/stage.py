@@ -1,20 +1,21 @@
 """One device's token2wav stage built from the config: the flow estimator backend, whole-flow and
 HiFT graphs, the runner (flow cache) and the batcher. The server's Synthesizer, the placements and a token2wav
-process (token2wav_process.py) all build it here."""
+process (token2wav/process.py) all build it here."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from .config import Config
-from .estimator import estimator_from_config
+from ..config import Config
+from ..estimator import estimator_from_config
+from ..model_dir import ModelDir, Models, build_models
+from .batcher import Token2WavBatcher
 from .flow_graphs import FlowGraphs
-from .model_dir import ModelDir, Models, build_models
 from .hift_graphs import HiFTGraphs
-from .token2wav import ChunkSchedule, Token2WavRunner
-from .token2wav_batcher import Token2WavBatcher
-from .token2wav_offline import OfflineLimits
+from .offline import OfflineLimits
+from .runner import Token2WavRunner
+from .schedule import ChunkSchedule
 
 log = logging.getLogger(__name__)
 

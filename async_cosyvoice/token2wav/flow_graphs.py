@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .graph_buckets import DEFAULT_STREAM_BUCKETS, Bucket, GraphBuckets
-from .models.flow.flow import Flow
+from ..graph_buckets import DEFAULT_STREAM_BUCKETS, Bucket, GraphBuckets
+from ..models.flow.flow import Flow
 
 
 class FlowGraphs(GraphBuckets):

@@ -23,8 +23,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .graph_buckets import DEFAULT_STREAM_BUCKETS, Bucket, GraphBuckets
-from .models.hift import HiFT, NSFNoise
+from ..graph_buckets import DEFAULT_STREAM_BUCKETS, Bucket, GraphBuckets
+from ..models.hift import HiFT, NSFNoise
 
 HiFTOutput = tuple[Tensor, Tensor]  # speech (1, 480T), source (1, 1, 480T) of one item
 

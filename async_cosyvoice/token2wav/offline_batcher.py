@@ -24,8 +24,9 @@ from typing import Awaitable, Callable
 
 from torch import Tensor
 
-from .token2wav import Token2WavJob, Token2WavRunner
-from .token2wav_offline import OfflineLimits, OfflineStats, padded_groups, render_offline
+from .offline import OfflineLimits, OfflineStats, padded_groups, render_offline
+from .runner import Token2WavRunner
+from .stream import Token2WavJob
 
 log = logging.getLogger(__name__)
 

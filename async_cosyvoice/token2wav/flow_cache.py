@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.dims import FlowDims
-from .models.flow.prefix import FlowState
+from ..models.dims import FlowDims
+from ..models.flow.prefix import FlowState
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ busy, jobs pile up and the next batch is taken from them. Two lanes:
   render is split into batches that new first chunks can run between.
 
 Non-streaming utterances (`is_offline_job`: one job for the whole utterance) go to the device's
-offline collector instead (offline_batcher.py: length-sorted, padded batches of whole utterances)
+offline collector instead (token2wav/offline_batcher.py: length-sorted, padded batches of whole utterances)
 when `offline` limits are given; its batches run in the same device thread.
 
 The device work runs in one executor thread, so the event loop never blocks and the model sees
@@ -34,10 +34,12 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from ..stage_stats import StageStats, timed_call
+from .offline import OfflineLimits, is_offline_job
 from .offline_batcher import OfflineBatcher
-from .stage_stats import StageStats, timed_call
-from .token2wav import ChunkSchedule, Token2WavJob, Token2WavRunner, Token2WavStream, request_noise
-from .token2wav_offline import OfflineLimits, is_offline_job
+from .runner import Token2WavRunner
+from .schedule import ChunkSchedule
+from .stream import Token2WavJob, Token2WavStream, request_noise
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +164,7 @@ class Token2WavBatcher:
 
     async def capture_graphs(self, max_streams: int, tokens: range, frames: range) -> int:
         """Capture the CUDA graphs of 1, 2, 4, … up to max_streams streams now, in the device
-        thread: the whole flow call's (flow_graphs.py) x these token counts, HiFT's (hift_graphs.py)
+        thread: the whole flow call's (token2wav/flow_graphs.py) x these token counts, HiFT's (token2wav/hift_graphs.py)
         x these mel frame counts. Returns how many were new (0 without graphs)."""
         def capture() -> int:
             new = 0
