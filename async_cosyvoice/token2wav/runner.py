@@ -17,6 +17,8 @@ from ..models.hift import HiFT
 from .flow_cache import SpeakerPrefixCache, chunk_floor, speaker_prefix_tokens
 from .flow_graphs import FlowGraphs
 from .hift_graphs import HiFTGraphs, HiFTOutput, render_group
+from .slot_calls import SlotCalls
+from .state_pool import SlotLease
 from .stream import FlowLike, Token2WavJob, Token2WavStream
 
 log = logging.getLogger(__name__)
@@ -112,13 +114,16 @@ class Token2WavRunner:
     flow_graphs: runs the recomputing flow calls (token2wav/flow_graphs.py: the whole call as one CUDA graph
     per bucket, larger calls as before); None: `flow(…, estimator=estimator)`.
     hift_graphs: runs HiFT's padded group calls as CUDA graphs (token2wav/hift_graphs.py); None: eagerly.
+    slot_calls: keeps the cache's state in its state pool and runs cached calls through it
+    (token2wav/slot_calls.py: one CUDA graph per bucket); None: the state lives on each stream.
     """
 
     def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
                  estimator: Callable[..., Tensor] | None = None, length_bucket_ratio: float = 1.5,
                  max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 2 << 30,
                  max_cached_tokens: int | None = None, chunked_final: bool = False,
-                 flow_graphs: FlowGraphs | None = None, hift_graphs: HiFTGraphs | None = None):
+                 flow_graphs: FlowGraphs | None = None, hift_graphs: HiFTGraphs | None = None,
+                 slot_calls: SlotCalls | None = None):
         if length_bucket_ratio < 1:
             raise ValueError(f"length_bucket_ratio must be >= 1, got {length_bucket_ratio}")
         if max_cached_tokens is not None and max_cached_tokens < 0:
@@ -133,7 +138,10 @@ class Token2WavRunner:
         self._cuda_stream: torch.cuda.Stream | None = None  # CUDA: created on first use, in the device thread
         self._batched_flow = isinstance(flow, Flow)
         self.flow_cache = flow_cache and self._batched_flow
-        self.speaker_prefixes = SpeakerPrefixCache(speaker_cache_bytes)
+        # the cache's state: in a pool of slots (slot_calls.pool; graph-capturable) or per stream
+        self.slot_calls = slot_calls if self.flow_cache else None
+        self.state_pool = None if self.slot_calls is None else self.slot_calls.pool
+        self.speaker_prefixes = SpeakerPrefixCache(speaker_cache_bytes) if self.state_pool is None else self.state_pool
         self.max_cached_tokens = max_cached_tokens
         self.chunked_final = chunked_final
         # the recomputing flow calls: whole-call CUDA graphs where a bucket fits, else the flow with the estimator
@@ -181,12 +189,23 @@ class Token2WavRunner:
                 full.append(i)
             if job.finalize and i not in cached:
                 s.flow_state = None  # full attention from here on: the cache is of no further use
-        plans = {i: self._cached_plan(jobs[i]) for i in cached}
+        if self.state_pool is not None:
+            plans = {i: self._slot_plan(jobs[i]) for i in cached}
+            full += [i for i in cached if plans[i] is None]
+            cached = [i for i in cached if plans[i] is not None]
+            cached_run = lambda idx: self._flow_slots([jobs[i] for i in idx], [plans[i] for i in idx])  # noqa: E731
+            cached_lengths = [plans[i][2] - plans[i][1] for i in cached]
+        else:
+            plans = {i: self._cached_plan(jobs[i]) for i in cached}
+            cached_run = lambda idx: self._flow_cached([jobs[i] for i in idx], [plans[i] for i in idx])  # noqa: E731
+            cached_lengths = [plans[i][1] for i in cached]
+        for i in full:
+            if jobs[i].finalize:
+                self._release(jobs[i].stream)
         for todo, lengths, run in (
                 (full, [jobs[i].stream.prompt_token.shape[1] + jobs[i].n_tokens for i in full],
                  lambda idx: self._flow_batch([jobs[i] for i in idx])),
-                (cached, [plans[i][1] for i in cached],
-                 lambda idx: self._flow_cached([jobs[i] for i in idx], [plans[i] for i in idx]))):
+                (cached, cached_lengths, cached_run)):
             for group in length_groups(lengths, self.length_bucket_ratio, self.max_flow_batch):
                 idx = [todo[g] for g in group]
                 for i, mel in zip(idx, run(idx)):
@@ -221,8 +240,20 @@ class Token2WavRunner:
         The prompts stay on the device (copied there once per stream); the target tokens come from
         the host."""
         dev = self.device
-        B = len(jobs)
-        tokens = torch.zeros(B, max(hi - lo for lo, hi in windows), dtype=torch.int32, device=dev)
+        tokens = self._window_tokens(jobs, windows)
+        feats = [j.stream.prompt_feat[0] for j in jobs]
+        prompt_feat = torch.zeros(len(jobs), max(f.shape[0] for f in feats), feats[0].shape[1], dtype=feats[0].dtype,
+                                  device=dev)
+        for b, f in enumerate(feats):
+            prompt_feat[b, :f.shape[0]] = f
+        feat_lens = torch.tensor([f.shape[0] for f in feats], device=dev)
+        embedding = torch.cat([j.stream.embedding.reshape(1, -1).to(dev) for j in jobs])
+        return tokens, prompt_feat, feat_lens, embedding
+
+    def _window_tokens(self, jobs: Sequence[Token2WavJob], windows: Sequence[tuple[int, int]]) -> Tensor:
+        """(B, S) int32 on the device: tokens [lo, hi) of each job's prompt + target sequence, right-padded."""
+        dev = self.device
+        tokens = torch.zeros(len(jobs), max(hi - lo for lo, hi in windows), dtype=torch.int32, device=dev)
         for b, (j, (lo, hi)) in enumerate(zip(jobs, windows)):
             prompt = j.stream.prompt_token.reshape(-1)
             P = prompt.numel()
@@ -231,13 +262,7 @@ class Token2WavRunner:
             if hi > P:
                 first = max(lo, P)
                 tokens[b, first - lo:hi - lo] = j.tokens.reshape(-1)[first - P:hi - P].to(dev, non_blocking=True)
-        feats = [j.stream.prompt_feat[0] for j in jobs]
-        prompt_feat = torch.zeros(B, max(f.shape[0] for f in feats), feats[0].shape[1], dtype=feats[0].dtype, device=dev)
-        for b, f in enumerate(feats):
-            prompt_feat[b, :f.shape[0]] = f
-        feat_lens = torch.tensor([f.shape[0] for f in feats], device=dev)
-        embedding = torch.cat([j.stream.embedding.reshape(1, -1).to(dev) for j in jobs])
-        return tokens, prompt_feat, feat_lens, embedding
+        return tokens
 
     # -- the exact flow state cache (token2wav/flow_cache.py)
 
@@ -255,6 +280,87 @@ class Token2WavRunner:
             keep = min(keep, chunk_floor(self.max_cached_tokens, self.flow.dims.encoder.static_chunk_size))
         return state, end - start, max(start, keep)
 
+    # -- the cache's state in a pool of slots (token2wav/state_pool.py, slot_calls.py)
+
+    def _release(self, s: Token2WavStream) -> None:
+        if s.flow_lease is not None:
+            s.flow_lease.release()
+            s.flow_lease = None
+
+    def _slot_plan(self, job: Token2WavJob) -> tuple[SlotLease, int, int, int] | None:
+        """(lease, start, end, keep) of a streaming job through the state pool, or None: it
+        recomputes (no slot free, or the stream has outgrown its slot)."""
+        s, pool, dims = job.stream, self.state_pool, self.flow.dims
+        chunk = dims.encoder.static_chunk_size
+        P = s.prompt_token.shape[1]
+        end = P + job.n_tokens - dims.pre_lookahead_len
+        if job.finalize or end > pool.slot_tokens:  # a final call: full attention, recomputed
+            if s.flow_lease is not None and not job.finalize:
+                pool.stats.outgrown += 1
+            self._release(s)
+            return None
+        lease = s.flow_lease
+        if lease is None or lease.tokens > P + job.token_offset:  # none yet, or a job re-run: restart
+            if lease is None and (lease := pool.lease()) is None:
+                return None
+            s.flow_lease = lease
+            lease.tokens = self._start_slot(s, lease.slot)
+        keep = chunk_floor(end, chunk)
+        if self.max_cached_tokens is not None:
+            keep = min(keep, chunk_floor(self.max_cached_tokens, chunk))
+        return lease, lease.tokens, end, max(lease.tokens, keep)
+
+    def _start_slot(self, s: Token2WavStream, slot: int) -> int:
+        """Fill a stream's new slot: its speaker's cached prefix (one copy) or just its prompt.
+        Returns the tokens of state the slot holds."""
+        prefix = self._speaker_slot(s)
+        if prefix is not None:
+            self.state_pool.copy_slot(prefix[0], slot)
+            return prefix[1]
+        self.state_pool.load_prompt(slot, s.prompt_feat, s.embedding)
+        return 0
+
+    def _speaker_slot(self, s: Token2WavStream) -> tuple[int, int] | None:
+        """(slot, tokens) of the stream's speaker prefix in the pool (computed on a miss), or None."""
+        pool, dims = self.state_pool, self.flow.dims
+        n = speaker_prefix_tokens(s.prompt_token.shape[1], dims.encoder.static_chunk_size, dims.pre_lookahead_len)
+        if s.prompt_key is None or n == 0 or pool.n_speaker_slots == 0 or n > pool.slot_tokens:
+            return None
+        tokens = s.prompt_token.reshape(-1)[:n + dims.pre_lookahead_len].cpu()
+        slot = pool.speaker(s.prompt_key, tokens)
+        if slot is None:
+            slot = pool.speaker_slot(s.prompt_key, tokens)
+            pool.load_prompt(slot, s.prompt_feat, s.embedding)
+            self.slot_calls(tokens[None], [slot], [0], [n], [n])
+            self._count_flow_call(1, dims.token_mel_ratio * n, dims.token_mel_ratio * n, 0)
+        return slot, n
+
+    def _flow_slots(self, jobs: Sequence[Token2WavJob], plans: Sequence[tuple[SlotLease, int, int, int]]
+                    ) -> list[Tensor]:
+        """One cached call through the state pool: each job computes tokens [start, end) of its
+        slot and leaves [0, keep) there. Returns each job's (1, 80, T_b) target mel."""
+        ratio, n_context = self.flow.dims.token_mel_ratio, self.flow.dims.pre_lookahead_len
+        starts = [start for _, start, _, _ in plans]
+        ends = [end for _, _, end, _ in plans]
+        tokens = self._window_tokens(jobs, [(s, e + n_context) for s, e in zip(starts, ends)])
+        new = [e - s for s, e in zip(starts, ends)]
+        self.slot_calls(tokens, [lease.slot for lease, *_ in plans], starts, ends, [k for *_, k in plans])
+        self._count_flow_call(len(jobs), ratio * sum(new), len(jobs) * ratio * max(new), ratio * sum(starts))
+        out = []
+        for j, (lease, start, end, keep) in zip(jobs, plans):
+            lease.tokens = keep
+            P = j.stream.prompt_token.shape[1]
+            out.append(self.state_pool.mel[lease.slot, ratio * P:ratio * end].T.unsqueeze(0).clone())
+        return out
+
+    def _count_flow_call(self, items: int, frames: int, padded_frames: int, cached_frames: int) -> None:
+        st = self.stats
+        st.flow_calls += 1
+        st.flow_items += items
+        st.flow_frames += frames
+        st.flow_padded_frames += padded_frames
+        st.flow_cached_frames += cached_frames
+
     def prepare_speaker(self, stream: "Token2WavStream") -> bool:
         """Compute and cache a registered speaker's prompt prefix now (the stream names it by
         prompt_key), so its first request does not pay for it; False if there is none to keep (the
@@ -262,7 +368,10 @@ class Token2WavRunner:
         if not self.flow_cache or stream.prompt_key is None:
             return False
         with self.cuda_stream():  # the batches' stream: they see the prefix complete
-            self._speaker_prefix(stream)
+            if self.state_pool is not None:
+                self._speaker_slot(stream)
+            else:
+                self._speaker_prefix(stream)
         return stream.prompt_key in self.speaker_prefixes
 
     def _speaker_prefix(self, s: "Token2WavStream") -> FlowState | None:

@@ -42,6 +42,7 @@ from ..models.flow.prefix import FlowState
 from ..models.hift import NSFNoise
 from ..request import ChunkTiming
 from .schedule import ChunkSchedule, adaptive_hop
+from .state_pool import SlotLease
 
 __all__ = ["Token2WavJob", "Token2WavStream", "FlowLike", "crossfade", "request_noise"]
 
@@ -132,6 +133,7 @@ class Token2WavStream:
         self._n = 0
         self._cache: _HiFTCache | None = None
         self.flow_state: FlowState | None = None  # the runner's: the exact flow state cache (token2wav/flow_cache.py)
+        self.flow_lease: SlotLease | None = None  # the runner's: the stream's slot in its state pool (state_pool.py)
 
     # -- the tokens
 

@@ -10,7 +10,6 @@ from torch import Tensor, nn
 
 from ..dims import CFMParams, EstimatorDims
 from .estimator import CausalConditionalDecoder
-from .prefix import Cursor, Geometry
 
 Estimator = Callable[..., Tensor]  # (x, mask, mu, t, spks, cond, streaming) -> v
 
@@ -65,28 +64,26 @@ class CausalConditionalCFM(nn.Module):
             streaming = streaming.reshape(-1).expand(B).repeat(2)
         return self._integrate(x, mu, mask, spks, cond, lambda step, *args: estimator(*args, streaming), trace)
 
-    def forward_cached(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, g: Geometry,
-                       states: list[list[list] | None]) -> tuple[Tensor, list[list[list]]]:
+    def forward_cached(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, g,
+                       step_cursor: Callable[[int], object], step_done: Callable[[int, object], None]) -> Tensor:
         """A cached streaming call (prefix.py): mu, cond (B, 80, N) and mask (B, 1, N) hold frames
-        [g.start[b], g.end[b]) of each item. states[b][step]: item b's estimator state at each CFM
-        step (None: nothing cached). Returns the mel of those frames and each item's states for
-        the next call. Runs the module's own PyTorch estimator."""
-        B, C = mu.shape[:2]
+        [start, end) of each item of `g` (a Geometry or SlotGeometry). step_cursor(step) gives the
+        cursor over the items' estimator state at that CFM step (1-based); step_done(step, cursor)
+        is called after the step's estimator call. Runs the module's own PyTorch estimator."""
+        C = mu.shape[1]
         if g.K > self.params.noise_frames:
             raise ValueError(f"{g.K} mel frames (prompt + target) exceed the {self.params.noise_frames} frames of flow noise")
         noise = fixed_noise(C, self.params.noise_frames, mu.device, mu.dtype)[0]
         # the noise at each item's absolute frames (padding frames clamp to a valid one; masked anyway)
         x = noise[:, g.positions().clamp(max=self.params.noise_frames - 1)].permute(1, 0, 2)
-        new_states: list[list[list]] = [[] for _ in range(B)]
 
         def step_fn(step, x2, mask2, mu2, t2, spks2, cond2):
-            cursor = Cursor([None if s is None else s[step - 1] for s in states])
+            cursor = step_cursor(step)
             v = self.estimator(x2, mask2, mu2, t2, spks2, cond2, cache=(cursor, g))
-            for b, entries in enumerate(cursor.out):
-                new_states[b].append(entries)
+            step_done(step, cursor)
             return v
 
-        return self._integrate(x, mu, mask, spks, cond, step_fn), new_states
+        return self._integrate(x, mu, mask, spks, cond, step_fn)
 
     def _integrate(self, x: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, estimator,
                    trace: dict | None = None) -> Tensor:

@@ -221,7 +221,7 @@ class UpsampleConformerEncoder(nn.Module):
         return x * g2.valid().unsqueeze(-1).to(x.dtype)
 
     def _cached_layers(self, layers: nn.ModuleList, x: Tensor, g: Geometry, cursor: Cursor, chunk: int) -> Tensor:
-        pos = rel_position_encoding(max(max(g.start) + g.N, g.K), x.size(2), x.device, x.dtype)
+        pos = rel_position_encoding(g.span, x.size(2), x.device, x.dtype)
         mask = g.attention_mask(chunk)
         for layer in layers:
             x = layer(x, pos, mask, (cursor, g))

@@ -4,6 +4,8 @@ Parameter names are those of the official flow.pt, so `load_state_dict(strict=Tr
 """
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -12,7 +14,15 @@ from ..dims import FlowDims
 from .cfm import CausalConditionalCFM, Estimator
 from .encoder import UpsampleConformerEncoder
 from .masks import length_mask
-from .prefix import Cursor, FlowState, Geometry
+from .prefix import (
+    Cursor,
+    EntryShape,
+    FlowState,
+    Geometry,
+    LayoutCursor,
+    SlotCursor,
+    SlotGeometry,
+)
 
 
 class Flow(nn.Module):
@@ -104,12 +114,67 @@ class Flow(nn.Module):
                                  f"the call starts at {g.start[b]}")
             if g.keep[b] != g.start[b] and g.keep[b] % chunk:
                 raise ValueError(f"item {b}: keep {g.keep[b]} is not a multiple of the {chunk}-token chunk")
+        cursor = Cursor([None if s is None else s.encoder for s in states])
+        steps: list[list[list]] = [[] for _ in states]
+
+        def step_cursor(step: int) -> Cursor:
+            return Cursor([None if s is None else s.steps[step - 1] for s in states])
+
+        def step_done(step: int, c: Cursor) -> None:
+            for b, entries in enumerate(c.out):
+                steps[b].append(entries)
+
+        context = None if context_lens is None else torch.tensor(context_lens, device=self.input_embedding.weight.device)
+        mel = self._cached_call(tokens, g, prompt_feat, prompt_feat_lens, embedding, cursor, step_cursor, step_done,
+                                context)
+        g2 = g.scaled(self.dims.token_mel_ratio)
+        new = []
+        for b, old in enumerate(states):
+            kept = g2.keep[b] - g2.start[b]
+            if kept == 0:
+                new.append(old)
+                continue
+            mel_segments = (() if old is None else old.mel) + (mel[b:b + 1, :, :kept].clone(),)
+            new.append(FlowState(g.keep[b], tuple(cursor.out[b]), tuple(tuple(e) for e in steps[b]), mel_segments))
+        return mel, new
+
+    def forward_slots(self, tokens: Tensor, g: SlotGeometry, prompt_feat: Tensor, prompt_feat_lens: Tensor,
+                      embedding: Tensor, entries: Sequence[Tensor], n_encoder_entries: int) -> Tensor:
+        """`forward_cached` over state slots (prefix.SlotGeometry, token2wav/state_pool.py): the same
+        frames, from tensors alone (a CUDA graph can hold it). entries: the slots' state tensors in
+        cursor order, the encoder's first, then each CFM step's. Streaming calls only (look-ahead
+        pre_lookahead_len tokens). Returns mel (B, 80, ratio·N) of frames [ratio·start, ratio·end)."""
+        per_step = (len(entries) - n_encoder_entries) // self.decoder.params.n_timesteps
+        encoder = SlotCursor(entries[:n_encoder_entries])
+
+        def step_cursor(step: int) -> SlotCursor:
+            first = n_encoder_entries + (step - 1) * per_step
+            return SlotCursor(entries[first:first + per_step])
+
+        return self._cached_call(tokens, g, prompt_feat, prompt_feat_lens, embedding, encoder, step_cursor,
+                                 lambda step, c: None, None)
+
+    def state_layout(self, n_tokens: int) -> tuple[list[EntryShape], int]:
+        """The state entries a cached call walks (encoder's, then one CFM step's), and how many are
+        the encoder's: recorded from a call of n_tokens tokens with nothing cached."""
+        device, dtype = self.input_embedding.weight.device, self.input_embedding.weight.dtype
+        g = Geometry([0], [n_tokens], [n_tokens], device)
+        encoder, step1 = LayoutCursor(n_tokens), LayoutCursor(n_tokens)
+        with torch.inference_mode():
+            self._cached_call(torch.zeros(1, n_tokens + self.dims.pre_lookahead_len, dtype=torch.long, device=device),
+                              g, torch.zeros(1, 1, self.dims.output_size, dtype=dtype, device=device),
+                              torch.zeros(1, dtype=torch.long, device=device),
+                              torch.zeros(1, self.dims.spk_embed_dim, device=device), encoder,
+                              lambda step: step1 if step == 1 else LayoutCursor(n_tokens), lambda step, c: None, None)
+        return encoder.entries + step1.entries, len(encoder.entries)
+
+    def _cached_call(self, tokens: Tensor, g, prompt_feat: Tensor, prompt_feat_lens: Tensor, embedding: Tensor,
+                     encoder_cursor, step_cursor: Callable, step_done: Callable, context: Tensor | None) -> Tensor:
+        """The body of a cached call, whichever cursor holds the state: mel (B, 80, ratio·N)."""
         dtype, device = self.input_embedding.weight.dtype, self.input_embedding.weight.device
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device).float(), dim=1).to(dtype))
         x = self.input_embedding(tokens.to(device).clamp(min=0).long())
-        cursor = Cursor([None if s is None else s.encoder for s in states])
-        context = None if context_lens is None else torch.tensor(context_lens, device=device)
-        h = self.encoder.forward_cached(x, g, cursor, context)
+        h = self.encoder.forward_cached(x, g, encoder_cursor, context)
         mu = self.encoder_proj(h).transpose(1, 2)
 
         g2 = g.scaled(self.dims.token_mel_ratio)
@@ -122,18 +187,7 @@ class Flow(nn.Module):
         in_prompt = valid & (pos < prompt_feat_lens.to(device).unsqueeze(1))
         cond = torch.gather(feat, 1, pos.clamp(max=feat.size(1) - 1).unsqueeze(-1).expand(-1, -1, feat.size(2)))
         cond = (cond * in_prompt.unsqueeze(-1).to(dtype)).transpose(1, 2)
-
-        mel, steps = self.decoder.forward_cached(mu, mask, spks, cond, g2,
-                                                 [None if s is None else s.steps for s in states])
-        new = []
-        for b, old in enumerate(states):
-            kept = g2.keep[b] - g2.start[b]
-            if kept == 0:
-                new.append(old)
-                continue
-            mel_segments = (() if old is None else old.mel) + (mel[b:b + 1, :, :kept].clone(),)
-            new.append(FlowState(g.keep[b], tuple(cursor.out[b]), tuple(tuple(e) for e in steps[b]), mel_segments))
-        return mel, new
+        return self.decoder.forward_cached(mu, mask, spks, cond, g2, step_cursor, step_done)
 
     @torch.inference_mode()
     def inference(

@@ -48,6 +48,11 @@ class Geometry:
         self._end = torch.tensor(self.end, device=self.device)
         self.index_cache: dict = {}  # gather indices and masks, made once per call for every layer and CFM step
 
+    @property
+    def span(self) -> int:
+        """Positions a relative-position table must cover: every query - key distance."""
+        return max(max(self.start) + self.N, self.K)
+
     def scaled(self, factor: int) -> "Geometry":
         return Geometry([factor * s for s in self.start], [factor * e for e in self.end],
                         [factor * k for k in self.keep], self.device)
@@ -159,6 +164,124 @@ class Cursor:
         kept_index = torch.cat(kept).to(device) if kept else torch.zeros(0, dtype=torch.long, device=device)
         g.index_cache[key] = (gather, (kept_index, counts))
         return g.index_cache[key]
+
+
+class SlotGeometry:
+    """A cached call over state slots (token2wav/state_pool.py), with nothing read back to the host:
+    item b computes positions [start[b], end[b]) of the sequence held in slot slots[b] and keeps
+    [0, keep[b]) there. N (new positions, right-padded) and K (a slot's capacity in positions) are
+    fixed, so a call of given (B, N) is one CUDA graph whatever its items' positions. Padding items
+    name slot 0, a scratch slot no stream owns; their writes land there."""
+
+    def __init__(self, slots: Tensor, start: Tensor, end: Tensor, keep: Tensor, N: int, K: int):
+        self.slots, self.start, self.end, self.keep = slots, start, end, keep
+        self.B, self.N, self.K = slots.numel(), N, K
+        self.new_lengths = end - start
+        self.index_cache: dict = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots.device
+
+    @property
+    def span(self) -> int:
+        return self.K + self.N
+
+    def scaled(self, factor: int) -> "SlotGeometry":
+        return SlotGeometry(self.slots, factor * self.start, factor * self.end, factor * self.keep,
+                            factor * self.N, factor * self.K)
+
+    def valid(self) -> Tensor:
+        return torch.arange(self.N, device=self.device) < self.new_lengths.unsqueeze(1)
+
+    def positions(self) -> Tensor:
+        return self.start.unsqueeze(1) + torch.arange(self.N, device=self.device)
+
+    def attention_mask(self, chunk: int) -> Tensor:
+        """(B, N, K) bool, as Geometry's; key 0 is always allowed, so a padding item's rows
+        (end 0) are not fully masked (a real item's first key is allowed anyway)."""
+        i = self.positions().unsqueeze(2)
+        j = torch.arange(self.K, device=self.device)
+        chunk_end = (torch.div(i, chunk, rounding_mode="floor") + 1) * chunk
+        allowed = (j < self.end.view(-1, 1, 1)) & ((j < chunk_end) | ~self.valid().unsqueeze(2))
+        return allowed | (j == 0)
+
+    def rows(self, R: int) -> tuple[Tensor, Tensor]:
+        """(slot, row) of each of the R·B rows of a (rows·B, …) batch, for indexing a slot tensor."""
+        key = ("rows", R)
+        if key not in self.index_cache:
+            self.index_cache[key] = (self.slots.repeat(R),
+                                     torch.arange(R, device=self.device).repeat_interleave(self.B))
+        return self.index_cache[key]
+
+
+class SlotCursor:
+    """A cached call's walk through state slots, in module order (the same order as `Cursor`).
+
+    Each entry is one tensor indexed by slot: a causal conv's left context (S, rows, C, context);
+    an attention layer's keys and values, two entries (S, rows, K, heads, d). A conv reads its
+    items' context before start (zeros where start is 0) and writes the context before keep; an
+    attention layer writes the new keys and values at their positions, then attends over the
+    slot's first K positions (the mask hides those at or past end). Only tensor ops: capturable.
+    """
+
+    def __init__(self, entries: Sequence[Tensor]):
+        self.entries = entries
+        self.pos = 0
+
+    def _take(self) -> Tensor:
+        i, self.pos = self.pos, self.pos + 1
+        return self.entries[i]
+
+    def conv(self, x: Tensor, context: int, g: SlotGeometry) -> Tensor:
+        state = self._take()
+        R = x.shape[0] // g.B
+        slot, row = g.rows(R)
+        fresh = (g.start == 0).repeat(R).view(-1, 1, 1)
+        ctx = torch.where(fresh, torch.zeros((), dtype=x.dtype, device=x.device), state[slot, row])
+        xc = torch.cat([ctx, x], dim=2)
+        first = (g.keep - g.start).repeat(R).view(-1, 1, 1) + torch.arange(context, device=x.device)
+        state[slot, row] = xc.gather(2, first.expand(-1, xc.shape[1], -1))
+        return xc
+
+    def attention(self, k: Tensor, v: Tensor, g: SlotGeometry) -> tuple[Tensor, Tensor]:
+        R, N = k.shape[0] // g.B, k.shape[2]
+        slot, row = g.rows(R)
+        out = []
+        for new in (k, v):
+            state = self._take()
+            at = g.positions().clamp(max=state.shape[2] - 1).repeat(R, 1)  # padding past the end: the spare last position
+            state.index_put_((slot.view(-1, 1).expand(-1, N), row.view(-1, 1).expand(-1, N), at), new.transpose(1, 2))
+            out.append(state[slot, row].transpose(1, 2))
+        return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class EntryShape:
+    """One state entry of a cached call: a conv's context or an attention layer's keys or values."""
+    kind: str                 # "conv" or "attention"
+    shape: tuple[int, ...]    # per slot: (rows, C, context) or (rows, heads, d)
+    scale: int                # attention: positions per token (1 in the encoder's token layers)
+
+
+class LayoutCursor:
+    """Records the entries a cached call walks (for sizing a state pool), computing nothing cached:
+    run on a call with no cached prefix."""
+
+    def __init__(self, n_tokens: int):
+        self.n_tokens = n_tokens
+        self.entries: list[EntryShape] = []
+
+    def conv(self, x: Tensor, context: int, g) -> Tensor:
+        R = x.shape[0] // g.B
+        self.entries.append(EntryShape("conv", (R, x.shape[1], context), 1))
+        return torch.cat([x.new_zeros(x.shape[0], x.shape[1], context), x], dim=2)
+
+    def attention(self, k: Tensor, v: Tensor, g) -> tuple[Tensor, Tensor]:
+        R, H, N, d = k.shape[0] // g.B, k.shape[1], k.shape[2], k.shape[3]
+        for _ in (k, v):
+            self.entries.append(EntryShape("attention", (R, H, d), N // self.n_tokens))
+        return k, v
 
 
 @dataclass(frozen=True, eq=False)
