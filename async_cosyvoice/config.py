@@ -121,6 +121,10 @@ class SpeakerConfig(_Section):
     cache_size: int = Field(256, ge=1)
     redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0 (backend redis)
     redis_prefix: str = Field("async_cosyvoice:speakers", min_length=1)
+    redis_timeout_seconds: float = Field(5.0, gt=0)  # connect and reply; past it a call is UNAVAILABLE
+    # Redis' persistence at start (CONFIG GET): warn = log how acknowledged registrations could be
+    # lost; require = refuse to start unless appendonly yes + appendfsync always
+    redis_durability: Literal["warn", "require"] = "warn"
 
     @model_validator(mode="after")
     def _redis_needs_url(self) -> "SpeakerConfig":

@@ -1,46 +1,22 @@
 """Errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}` with a matching status.
 
-Library errors map to one HTTP status each; the same table gives the WebSocket error codes.
+Library errors get their status from the library's one table (`async_cosyvoice.errors.status_of`,
+shared with gRPC); it also gives the WebSocket error codes.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from async_cosyvoice.errors import (
-    InvalidRequest,
-    NotReady,
-    Overloaded,
-    SpeakerExists,
-    SpeakerNotFound,
-    TextTimeout,
-    Unsupported,
-)
+from async_cosyvoice.errors import ERROR_STATUSES, INTERNAL_STATUS, ErrorStatus, InvalidRequest, status_of
 
-
-@dataclass(frozen=True)
-class Status:
-    http: int
-    type: str   # OpenAI's error "type"
-    code: str   # our stable code (also the WebSocket error code)
-
-
-_STATUS_OF: list[tuple[type[Exception], Status]] = [
-    (InvalidRequest, Status(400, "invalid_request_error", "invalid_request")),
-    (Unsupported, Status(400, "invalid_request_error", "unsupported")),
-    (SpeakerNotFound, Status(404, "invalid_request_error", "voice_not_found")),
-    (SpeakerExists, Status(409, "invalid_request_error", "voice_exists")),
-    (TextTimeout, Status(408, "invalid_request_error", "text_timeout")),
-    (Overloaded, Status(429, "rate_limit_error", "overloaded")),
-    (NotReady, Status(503, "server_error", "unavailable")),
-]
-INTERNAL = Status(500, "server_error", "internal_error")
-UNAUTHORIZED = Status(401, "authentication_error", "invalid_api_key")
-TOO_LARGE = Status(413, "invalid_request_error", "request_too_large")
+Status = ErrorStatus  # http, type (OpenAI's error "type"), code (also the WebSocket error code)
+INTERNAL = INTERNAL_STATUS
+INVALID = dict(ERROR_STATUSES)[InvalidRequest]
+UNAUTHORIZED = Status("UNAUTHENTICATED", 401, "authentication_error", "invalid_api_key")
+TOO_LARGE = Status("RESOURCE_EXHAUSTED", 413, "invalid_request_error", "request_too_large")
 
 
 class ApiError(Exception):
@@ -52,12 +28,8 @@ class ApiError(Exception):
 
 
 def status_for(error: BaseException) -> Status:
-    if isinstance(error, ApiError):
-        return error.status
-    for cls, status in _STATUS_OF:
-        if isinstance(error, cls):
-            return status
-    return INTERNAL
+    """An HTTP-layer error's own status, else the library's one table (`status_of`)."""
+    return error.status if isinstance(error, ApiError) else status_of(error)
 
 
 def error_body(status: Status, message: str, param: str | None = None) -> dict:
@@ -91,11 +63,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 async def _on_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = _validation_message(exc)
-    return JSONResponse(error_body(_STATUS_OF[0][1], message, param), status_code=400)
+    return JSONResponse(error_body(INVALID, message, param), status_code=400)
 
 
 async def _on_http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    status = Status(exc.status_code, "invalid_request_error", "not_found" if exc.status_code == 404 else "http_error")
+    status = Status("INVALID_ARGUMENT", exc.status_code, "invalid_request_error",
+                    "not_found" if exc.status_code == 404 else "http_error")
     return JSONResponse(error_body(status, str(exc.detail)), status_code=exc.status_code)
 
 

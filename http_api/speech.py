@@ -23,7 +23,7 @@ from async_cosyvoice.request import AudioChunk, SynthesisOptions, SynthesisReque
 from .audio import OPENAI_FORMATS, OPENAI_SAMPLE_RATE, EncodedAudio
 from .backend import Backend, backend_of
 from .call import HttpCall
-from .errors import error_body, error_response, status_for
+from .errors import INTERNAL, error_body, error_response, status_for
 from .voice import choose_voice
 
 router = APIRouter()
@@ -164,7 +164,7 @@ async def sse_events(encoded: AsyncIterator[bytes], call: HttpCall) -> AsyncIter
     except Exception as e:
         call.failed(e)
         status = status_for(e)
-        message = call.detail if status.http != 500 else f"internal error (request id {call.request_id})"
+        message = call.detail if status is not INTERNAL else f"internal error (request id {call.request_id})"
         yield _event({"type": "error", **error_body(status, message)})
         return
     usage = {"input_tokens": 0, "output_tokens": call.tokens, "total_tokens": call.tokens}

@@ -6,7 +6,7 @@ import asyncio
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
-from async_cosyvoice.errors import InvalidRequest, NotReady
+from async_cosyvoice.errors import InvalidRequest, NotReady, StoreUnavailable
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.speakers import validate_speaker_id
 
@@ -94,9 +94,11 @@ async def healthz():
 
 @health.get("/readyz")
 async def readyz(request: Request):
-    """Readiness: the model is loaded and the server is not shutting down."""
+    """Readiness: the model is loaded, the speaker store answers and the server is not shutting down."""
     try:
-        backend_of(request).synthesizer()
+        synth = backend_of(request).synthesizer()
+        if not synth.speakers.reachable:
+            raise StoreUnavailable(f"the speaker store ({synth.speakers}) is unreachable; reconnecting")
     except NotReady as e:
         return error_response(e)
     return {"status": "ready"}
