@@ -161,6 +161,10 @@ class ServerConfig(_Section):
     http_port: int | None = Field(None, ge=0, le=65535)
     served_model_name: str = "cosyvoice2"  # GET /v1/models; OpenAI's tts-1 etc. are accepted too
     voice_aliases: dict[str, str] = {}  # e.g. {"alloy": "my_speaker"}: OpenAI voice names -> speaker ids
+    # the HTTP door's own certificate; unset: tls_cert / tls_key (with TLS configured both doors use it)
+    http_tls_cert: Path | None = None
+    http_tls_key: Path | None = None
+    http_docs: bool = True  # /docs and /openapi.json (behind auth_token when one is set); false: 404
 
 
 class WarmupConfig(_Section):

@@ -210,10 +210,10 @@ class VoiceFit:
 
     def problem(self, voice: Voice) -> str | None:
         """Why `voice` does not fit, or None."""
-        tokens = voice.speech_tokens
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.speech_vocab):
-            return (f"speech tokens {int(tokens.min())}..{int(tokens.max())} are outside the model's "
-                    f"vocabulary 0..{self.speech_vocab - 1}")
+        outside = np.flatnonzero((voice.speech_tokens < 0) | (voice.speech_tokens >= self.speech_vocab))
+        if outside.size:
+            return (f"{outside.size} speech token(s) outside the model's vocabulary 0..{self.speech_vocab - 1}, "
+                    f"the first {int(voice.speech_tokens[outside[0]])} at position {int(outside[0])}")
         if voice.speech_feat.size and voice.speech_feat.shape[1] != self.mel_bins:
             return f"speech_feat is {voice.speech_feat.shape[1]} mel bins wide, the model's {self.mel_bins}"
         if voice.embedding.shape[0] != self.embedding_dim:

@@ -50,6 +50,7 @@ from .auth import BearerAuthInterceptor, server_credentials
 from .metrics import Metrics
 from .servicer import CosyVoiceServicer, pb2_grpc
 from .store_watch import StoreWatch
+from .undecodable import UndecodableRequests
 
 if TYPE_CHECKING:
     from http_api import HttpFrontDoor
@@ -130,8 +131,8 @@ class CosyVoiceServer:
         cfg = self.config
         limits = cfg.limits
         self.engine_died = asyncio.get_running_loop().create_future()
-        interceptors = [BearerAuthInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
-        self._server = grpc.aio.server(interceptors=interceptors, options=[
+        auth = [BearerAuthInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
+        self._server = grpc.aio.server(interceptors=[*auth, UndecodableRequests()], options=[
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
             ("grpc.so_reuseport", 0),
@@ -149,7 +150,7 @@ class CosyVoiceServer:
             raise RuntimeError(f"cannot bind {address}")
         await self._server.start()
         log.info("listening on %s:%d (%s%s)", cfg.server.host, self.port, "TLS" if creds else "plaintext",
-                 ", bearer auth" if interceptors else "")
+                 ", bearer auth" if auth else "")
 
     # ---- the HTTP front door (http_api): same loop, synthesizer, limiter, token and metrics ----
 
@@ -269,9 +270,11 @@ class CosyVoiceServer:
             if not self.servicer.idle.is_set():  # wait_for(…, 0) times out even on a set event
                 await asyncio.wait_for(self.servicer.idle.wait(), timeout=grace)
         except asyncio.TimeoutError:
-            left = self.servicer.end_streams(
-                f"the server shut down before this stream finished (the drain grace of {grace:g} s "
-                "ran out); retry on another instance")
+            message = (f"the server shut down before this stream finished (the drain grace of {grace:g} s "
+                       "ran out); retry on another instance")
+            left = self.servicer.end_streams(message)
+            if self.http is not None:
+                left += self.http.end_sessions(message)
             log.warning("drain grace of %.1f s is over: ending %d stream(s) with UNAVAILABLE", grace, len(left))
             if left:
                 await asyncio.wait(left, timeout=_END_STREAMS_WAIT)

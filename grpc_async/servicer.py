@@ -25,7 +25,7 @@ from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
 from async_cosyvoice.heap import HeapTrimmer
 from async_cosyvoice.limiter import StreamLimiter
 from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest, Timeline
-from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord
+from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speaker_id
 from async_cosyvoice.tts import Synthesizer
 
 from ._stubs import load as _load_stubs
@@ -280,8 +280,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             fields = dict(prompt_audio=_decode_audio(voice.prompt_audio, f"{mode}.prompt_audio"))
             if mode == "vc":
                 fields["source_audio"] = _decode_audio(voice.source_audio, "vc.source_audio")
-        elif mode in ("sft", "zero_shot_by_spk_id", "instruct2_by_spk_id"):
-            fields = dict(speaker_id=voice.speaker_id)
+        elif mode in ("sft", "zero_shot_by_spk_id", "instruct2_by_spk_id"):  # named by its own field
+            fields = dict(speaker_id=validate_speaker_id(voice.speaker_id, f"{mode}.speaker_id"))
         else:
             raise InvalidRequest("no mode set: set one of zero_shot, cross_lingual, instruct2, sft, "
                                  "zero_shot_by_spk_id, instruct2_by_spk_id, vc")

@@ -36,7 +36,7 @@ def error_body(status: Status, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": status.type, "param": param, "code": status.code}}
 
 
-def error_response(error: BaseException, request_id: str = "-") -> JSONResponse:
+def error_response(error: BaseException, request_id: str) -> JSONResponse:
     status = status_for(error)
     if status is INTERNAL:
         message = f"internal error (request id {request_id}); see the server log"
@@ -48,12 +48,17 @@ def error_response(error: BaseException, request_id: str = "-") -> JSONResponse:
     elif status.http in (429, 503):
         headers = {"Retry-After": "1"}  # both pass: a slot frees up, the model finishes loading
     return JSONResponse(error_body(status, message, getattr(error, "param", None)), status_code=status.http,
-                        headers=headers)
+                        headers={**(headers or {}), "x-request-id": request_id})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     problems, param = [], None
     for e in exc.errors():
+        if e.get("type") == "json_invalid":  # loc is ("body", <character offset>): not a field
+            where = e.get("loc", ())[-1]
+            reason = (e.get("ctx") or {}).get("error", "invalid JSON")
+            problems.append(f"the request body is not valid JSON ({reason} at character {where})")
+            continue
         loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path", "form")]
         field = ".".join(loc) or "body"
         param = param or field
@@ -61,19 +66,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(problems) or "invalid request", param
 
 
-async def _on_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = _validation_message(exc)
-    return JSONResponse(error_body(INVALID, message, param), status_code=400)
+    return error_response(ApiError(INVALID, message, param), request_id_of(request))
 
 
-async def _on_http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     status = Status("INVALID_ARGUMENT", exc.status_code, "invalid_request_error",
                     "not_found" if exc.status_code == 404 else "http_error")
-    return JSONResponse(error_body(status, str(exc.detail)), status_code=exc.status_code)
+    return error_response(ApiError(status, str(exc.detail)), request_id_of(request))
 
 
-async def _on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc)
+async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc, request_id_of(request))
+
+
+def request_id_of(request: Request) -> str:
+    """The id the app's RequestId middleware gave this request (its x-request-id header)."""
+    return request.scope.get("state", {}).get("request_id") or "-"
 
 
 def install(app) -> None:

@@ -23,7 +23,7 @@ from async_cosyvoice.request import AudioChunk, SynthesisOptions, SynthesisReque
 from .audio import OPENAI_FORMATS, OPENAI_SAMPLE_RATE, EncodedAudio
 from .backend import Backend, backend_of
 from .call import HttpCall
-from .errors import INTERNAL, error_body, error_response, status_for
+from .errors import INTERNAL, error_body, error_response, request_id_of, status_for
 from .voice import choose_voice
 
 router = APIRouter()
@@ -43,9 +43,9 @@ class SpeechRequest(BaseModel):
     voice: str | VoiceRef
     instructions: str | None = None
     response_format: str = "mp3"
-    speed: float = 1.0
+    speed: float = Field(1.0, strict=True)  # strict: true is not 1.0 (ints are still floats)
     stream_format: Literal["audio", "sse"] = "audio"
-    seed: int | None = Field(None, ge=0, description="extension: the same seed gives the same audio")
+    seed: int | None = Field(None, ge=0, strict=True, description="extension: the same seed gives the same audio")
 
 
 def check_model(backend: Backend, model: str) -> None:
@@ -83,7 +83,7 @@ class AudioStreamResponse(StreamingResponse):
 @router.post("/v1/audio/speech")
 async def create_speech(body: SpeechRequest, request: Request):
     backend = backend_of(request)
-    call = HttpCall("POST /v1/audio/speech", peer(request))
+    call = HttpCall("POST /v1/audio/speech", peer(request), request_id_of(request))
     call.format = body.response_format
     cleanup = contextlib.AsyncExitStack()
     try:
