@@ -60,7 +60,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append(f"the request body is not valid JSON ({reason} at character {where})")
             continue
         loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path", "form")]
-        field = ".".join(loc) or "body"
+        if not loc:  # the body as a whole: not a JSON object (e.g. no Content-Type: application/json)
+            problems.append(f"the request body must be a JSON object ({e.get('msg', 'invalid')}); send it with "
+                            "Content-Type: application/json")
+            continue
+        field = ".".join(loc)
         param = param or field
         problems.append(f"{field}: {e.get('msg', 'invalid')}")
     return "; ".join(problems) or "invalid request", param
