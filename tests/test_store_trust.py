@@ -232,3 +232,25 @@ def test_shutdown_ends_websocket_sessions_with_a_reason(tiny_dir, tmp_path):
         assert code == 1012 and reason == "server shutting down; retry on another instance", (name, code, reason)
         assert "retry on another instance" in last["message"] and last["status"] == 503
     assert "drain grace of 0.5 s ran out" in got["streaming"][0]["message"]
+
+
+def test_an_undecodable_text_piece_mid_stream_is_invalid_argument(server):
+    """After a valid config (the model is ready), a text piece with invalid UTF-8 (issue 26 item 3)."""
+    config = pb2.StreamSynthesizeRequest(config=pb2.StreamConfig(
+        sft=pb2.Sft(speaker_id="tiny_sft_spk"), text_mode=pb2.TEXT_MODE_SENTENCE,
+        options=pb2.SynthesisOptions(seed=1, max_tokens=5)))
+    piece = pb2.StreamSynthesizeRequest(text="Hi é.").SerializeToString().replace("é".encode(), b"\xc3\x28")
+
+    async def body():
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            call = ch.stream_stream("/cosyvoice.v1.CosyVoice/StreamSynthesize")(timeout=60)  # identity serializers
+            await call.write(config.SerializeToString())
+            await call.write(piece)
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+            return e.value.code(), e.value.details()
+
+    code, details = asyncio.run(body())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot be decoded" in details, details
