@@ -352,6 +352,9 @@ class SpeakerStoreBase(abc.ABC):
         """How an acknowledged `put` could be lost if the store's server crashed, or None."""
         return None
 
+    def close(self) -> None:
+        """Release connections (a store behind a network)."""
+
     @abc.abstractmethod
     def get(self, speaker_id: str) -> SpeakerRecord:
         """The record, or SpeakerNotFound."""

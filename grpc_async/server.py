@@ -172,13 +172,17 @@ class CosyVoiceServer:
 
     async def _check_store_durability(self) -> None:
         """Log (or, speakers.redis_durability: require, refuse to start over) how acknowledged
-        registrations could be lost if the store's server crashed."""
+        registrations could be lost if the store's server crashed. Checked before the model loads,
+        on a store opened for the check; the folder store writes fsynced files and has nothing to say."""
+        if self.config.speakers.backend == "directory":
+            return
+
         def problem() -> str | None:
             store = open_speaker_store(self.config.speakers)
             try:
                 return store.persistence_problem()
             finally:
-                getattr(store, "close", lambda: None)()
+                store.close()
 
         required = self.config.speakers.redis_durability == "require"
         try:
