@@ -117,6 +117,34 @@ def test_redis_down_is_unavailable_and_health_follows_it(tiny_dir, make_redis_se
     assert after == {"GetSpeaker": "tiny_zs_spk", "new_one": "new_one", "HTTP readyz": 200}
 
 
+def test_redis_down_at_start_is_not_fatal(tiny_dir, make_redis_server, caplog):
+    """The server starts without Redis (NOT_SERVING, a warning), and serves once Redis answers."""
+    store_server = make_redis_server()
+    cfg = Config.model_validate({
+        "model": {"dir": str(tiny_dir)}, "speakers": redis_config(store_server.url),
+        "server": {"port": 0, "grace_seconds": 1}})
+    open_speaker_store(cfg.speakers).import_spk2info(tiny_dir / "spk2info.pt")
+    store_server.kill()
+    with caplog.at_level(logging.WARNING, logger="grpc_async.server"):
+        st = ServerThread(cfg, ready_timeout=600)
+    assert any("cannot check the speaker store's persistence" in r.getMessage() for r in caplog.records)
+
+    async def body():
+        async with CosyVoiceClient(st.target) as c, grpc.aio.insecure_channel(st.target) as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest())
+            statuses = [(await watch.read()).status]
+            store_server.start()
+            statuses.append((await asyncio.wait_for(watch.read(), 60)).status)
+            watch.cancel()
+            got = await collect(c.synthesize("Hi.", speaker_id="tiny_zs_spk", seed=1, max_tokens=5))
+            return statuses, got.summary.speech_tokens
+
+    try:
+        assert asyncio.run(body()) == ([NOT_SERVING, SERVING], 5)
+    finally:
+        st.close(grace=0)
+
+
 async def _never_ready(config):
     await asyncio.Event().wait()
 
