@@ -227,3 +227,17 @@ def test_http_door_own_certificate_and_docs_off(tmp_path):
             assert https.get("/openapi.json", headers=auth).status_code == 404
     with pytest.raises(ValueError, match="http_tls_cert and server.http_tls_key go together"):
         _server(tmp_path, http_tls_cert=str(cert))
+
+
+def test_http_door_requires_client_certificates_with_mtls(tmp_path):
+    cert, key = _self_signed(tmp_path / "tls")
+    with _server(tmp_path, host="localhost", port=None, tls_cert=str(cert), tls_key=str(key),
+                 tls_client_ca=str(cert)) as st:
+        url = f"https://localhost:{st.server.http_port}/healthz"
+        anonymous = ssl.create_default_context(cafile=str(cert))
+        with httpx.Client(verify=anonymous, timeout=10) as https, pytest.raises(httpx.HTTPError):
+            https.get(url).raise_for_status()
+        known = ssl.create_default_context(cafile=str(cert))
+        known.load_cert_chain(str(cert), str(key))
+        with httpx.Client(verify=known, timeout=10) as https:
+            assert https.get(url).json() == {"status": "ok"}
