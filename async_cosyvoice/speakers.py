@@ -318,10 +318,10 @@ class SpeakerStoreBase(abc.ABC):
         problem = self.fit.problem(record.voice) if self.fit is not None else None
         if problem is not None:
             raise RecordMisfit(f"{source}: {problem}", problem)
-        if _read_header(data, source).get("version") == _UNCHECKED_VERSION:
-            if record.speaker_id not in self._unchecked_warned:
-                self._unchecked_warned.add(record.speaker_id)
-                log.warning("speaker store %s: the record of %r has no checksum (format version 1): it is read "
+        unchecked = _read_header(data, source).get("version") == _UNCHECKED_VERSION
+        if unchecked and record.speaker_id not in self._unchecked_warned:
+            self._unchecked_warned.add(record.speaker_id)
+            log.warning("speaker store %s: the record of %r has no checksum (format version 1): it is read "
                             "unchecked; register it again (overwrite) to store it with one", self, record.speaker_id)
         return record
 

@@ -40,7 +40,7 @@ class HttpFrontDoor:
         self.tls = tls_files(server)
         tls = {}
         if self.tls:
-            tls = dict(ssl_certfile=str(self.tls[0]), ssl_keyfile=str(self.tls[1]))
+            tls = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])}
             if server.tls_client_ca:  # mTLS on both doors
                 tls.update(ssl_ca_certs=str(server.tls_client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
         # one log line per request is ours (logger http_api); uvicorn logs only warnings and errors

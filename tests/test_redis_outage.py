@@ -175,9 +175,9 @@ def test_redis_persistence_is_checked_at_start(make_redis_server, caplog):
     def warned():
         return any("appendonly no" in r.getMessage() and "redis_durability: require" in r.getMessage()
                    for r in caplog.records)
-    with caplog.at_level(logging.WARNING, logger="grpc_async.server"):
-        with _start_without_model(store_server.url) as st:  # warn (the default): starts, says so
-            _wait_logged(st, warned)
+    with caplog.at_level(logging.WARNING, logger="grpc_async.server"), \
+            _start_without_model(store_server.url) as st:  # warn (the default): starts, says so
+        _wait_logged(st, warned)
     with pytest.raises(Unsupported, match=r"appendonly no .* \(speakers.redis_durability: require"):
         _start_without_model(store_server.url, ready_timeout=30, redis_durability="require")
 
