@@ -121,6 +121,10 @@ class SpeakerConfig(_Section):
     cache_size: int = Field(256, ge=1)
     redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0 (backend redis)
     redis_prefix: str = Field("async_cosyvoice:speakers", min_length=1)
+    redis_timeout_seconds: float = Field(5.0, gt=0)  # connect and reply; past it a call is UNAVAILABLE
+    # Redis' persistence at start (CONFIG GET): warn = log how acknowledged registrations could be
+    # lost; require = refuse to start unless appendonly yes + appendfsync always
+    redis_durability: Literal["warn", "require"] = "warn"
 
     @model_validator(mode="after")
     def _redis_needs_url(self) -> "SpeakerConfig":
@@ -157,6 +161,10 @@ class ServerConfig(_Section):
     http_port: int | None = Field(None, ge=0, le=65535)
     served_model_name: str = "cosyvoice2"  # GET /v1/models; OpenAI's tts-1 etc. are accepted too
     voice_aliases: dict[str, str] = {}  # e.g. {"alloy": "my_speaker"}: OpenAI voice names -> speaker ids
+    # the HTTP door's own certificate; unset: tls_cert / tls_key (with TLS configured both doors use it)
+    http_tls_cert: Path | None = None
+    http_tls_key: Path | None = None
+    http_docs: bool = True  # /docs and /openapi.json (behind auth_token when one is set); false: 404
 
 
 class WarmupConfig(_Section):

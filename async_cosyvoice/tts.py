@@ -37,8 +37,10 @@ from .engine.base import (
 )
 from .errors import (
     InvalidRequest,
+    SpeakerCorrupt,
     SpeakerExists,
     SpeakerNotFound,
+    StoreUnavailable,
     TextTimeout,
     Unsupported,
 )
@@ -62,7 +64,7 @@ from .request import (
 )
 from .rules import ENDOFPROMPT, RequestRules
 from .speaker_store import open_speaker_store
-from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
+from .speakers import SpeakerRecord, SpeakerStoreBase, VoiceFit, validate_speaker_id
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule
 from .token2wav.batcher import Token2WavBatcher
@@ -168,7 +170,7 @@ class Synthesizer:
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
-        speakers = open_speaker_store(config.speakers)
+        speakers = open_speaker_store(config.speakers, fit=VoiceFit.of(model_dir.dims))
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
@@ -195,7 +197,12 @@ class Synthesizer:
         dtype = getattr(torch, self.config.model.flow_dtype)
         flow = self.dims.flow
         chosen, size = [], 0
-        for info in sorted(await self._in_cpu(self.speakers.infos), key=lambda i: -i.created_at):
+        try:
+            infos = await self._in_cpu(self.speakers.infos)
+        except StoreUnavailable as e:  # health stays NOT_SERVING until the store answers (the server's watch)
+            log.warning("no speaker prompt prefixes computed at start: %s", e)
+            return 0
+        for info in sorted(infos, key=lambda i: -i.created_at):
             if len(chosen) >= self.config.warmup.max_speakers:
                 break
             tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.encoder.static_chunk_size, flow.pre_lookahead_len)
@@ -210,6 +217,9 @@ class Synthesizer:
             try:
                 record = await self._in_cpu(self.speakers.get, speaker_id)
             except SpeakerNotFound:  # deleted since the listing
+                continue
+            except (SpeakerCorrupt, StoreUnavailable) as e:  # logged by the store; the others still start
+                log.warning("start-up skips speaker %r: %s", speaker_id, e)
                 continue
             await self._prepare_prefix(record)
         if chosen:

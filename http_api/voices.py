@@ -6,13 +6,13 @@ import asyncio
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
-from async_cosyvoice.errors import InvalidRequest, NotReady
+from async_cosyvoice.errors import InvalidRequest, NotReady, StoreUnavailable
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.speakers import validate_speaker_id
 
 from .backend import backend_of
 from .call import HttpCall
-from .errors import error_response
+from .errors import error_response, request_id_of
 from .speech import peer
 
 router = APIRouter()
@@ -30,7 +30,7 @@ def _voice(info, aliases: dict[str, str]) -> dict:
 async def _unary(request: Request, method: str, body, voice: str = ""):
     """Run one non-streaming request with its log line and metrics; errors in OpenAI's shape."""
     backend = backend_of(request)
-    call = HttpCall(method, peer(request))
+    call = HttpCall(method, peer(request), request_id_of(request))
     call.voice = voice[:80]
     try:
         return await body(backend)
@@ -94,9 +94,11 @@ async def healthz():
 
 @health.get("/readyz")
 async def readyz(request: Request):
-    """Readiness: the model is loaded and the server is not shutting down."""
+    """Readiness: the model is loaded, the speaker store answers and the server is not shutting down."""
     try:
-        backend_of(request).synthesizer()
+        synth = backend_of(request).synthesizer()
+        if not synth.speakers.reachable:
+            raise StoreUnavailable(f"the speaker store ({synth.speakers}) is unreachable; reconnecting")
     except NotReady as e:
-        return error_response(e)
+        return error_response(e, request_id_of(request))
     return {"status": "ready"}
