@@ -108,6 +108,7 @@ class CosyVoiceServer:
         cfg = self.config
         if cfg.server.port is None and cfg.server.http_port is None:
             raise ValueError("both front doors are off: set server.port (gRPC) and/or server.http_port (HTTP)")
+        self.engine_died = asyncio.get_running_loop().create_future()  # whichever doors are open
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if cfg.server.port is not None:
             await self._start_grpc()
@@ -126,7 +127,6 @@ class CosyVoiceServer:
     async def _start_grpc(self) -> None:
         cfg = self.config
         limits = cfg.limits
-        self.engine_died = asyncio.get_running_loop().create_future()
         interceptors = [BearerAuthInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
         self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limits.max_message_bytes),
