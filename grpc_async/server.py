@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import time
@@ -61,6 +62,17 @@ _END_STREAMS_WAIT = 5.0  # seconds for cancelled streams to send their UNAVAILAB
 # UNAVAILABLE with the reason: grpc's stop cancels calls it has not yet handed to a handler, so a
 # request racing the health change would otherwise get a bare CANCELLED, which clients don't retry.
 _DEAD_LINGER_SECONDS = 1.0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server to this machine (a name other than localhost counts as
+    not: it may resolve to any interface)."""
+    if host.lower() in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class HealthServicer(grpc_health.aio.HealthServicer):
@@ -109,6 +121,11 @@ class CosyVoiceServer:
         if cfg.server.port is None and cfg.server.http_port is None:
             raise ValueError("both front doors are off: set server.port (gRPC) and/or server.http_port (HTTP)")
         self.engine_died = asyncio.get_running_loop().create_future()  # whichever doors are open
+        if not is_loopback(cfg.server.host) and not cfg.server.auth_token:
+            log.warning("server.host %s accepts connections from other machines and server.auth_token is not set: "
+                        "anyone who reaches the port can synthesize and register or delete speakers; set "
+                        "server.auth_token (env ASYNC_COSYVOICE__SERVER__AUTH_TOKEN) or bind 127.0.0.1",
+                        cfg.server.host)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if cfg.server.port is not None:
             await self._start_grpc()
