@@ -54,3 +54,8 @@ class SpeakerCorrupt(CosyVoiceError):
 class EngineDead(NotReady):
     """The speech-token engine died (its process was killed, its step loop failed). The instance
     cannot serve any more and is exiting. -> UNAVAILABLE"""
+
+
+class ConfigError(CosyVoiceError, ValueError):
+    """The configuration asks for what this machine cannot give (a device this torch build lacks,
+    a port another process holds). Raised before anything is loaded; the message says the fix."""

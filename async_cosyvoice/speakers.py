@@ -1,6 +1,6 @@
 """SpeakerStore: registered voices, persisted as one safetensors file per speaker.
 
-On disk (folder `speakers.dir`, default `spk2info/`):
+On disk (folder `speakers.dir`, default the data folder's `speakers/`, see `files.data_root`):
 
     <sha256(speaker_id)>.safetensors   arrays + JSON metadata (speaker id, kind, prompt text, time)
     .lock                              fcntl lock taken by every writer (threads and processes)

@@ -26,6 +26,7 @@ import torch
 
 from .config import Config
 from .demo import resolve_model_dir
+from .devices import check_device
 from .engine import create_engine
 from .engine.base import (
     BistreamRequest,
@@ -50,6 +51,7 @@ from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
+from .model_speakers import with_model_speakers
 from .models.dims import RASParams
 from .offline import segments_at_once
 from .request import (
@@ -151,8 +153,8 @@ class Synthesizer:
 
     @classmethod
     def _build(cls, config: Config, token2wav: Callable[[ModelDir], Token2WavBatcher] | None) -> "Synthesizer":
+        device = check_device(config.model.device)
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
-        device = torch.device(config.model.device)
         if compile_in_use(config):
             use_compile_cache(config)
         # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
@@ -168,7 +170,7 @@ class Synthesizer:
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
-        speakers = open_speaker_store(config.speakers)
+        speakers = with_model_speakers(open_speaker_store(config.speakers), model_dir.path, tokenizer.encode)
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,

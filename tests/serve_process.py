@@ -14,15 +14,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a child `python -m cosyvoice_cli`: this checkout first on its path."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNC_COSYVOICE")}
+    env = {k: v for k, v in os.environ.items()  # not the caller's config overrides or server
+           if not k.startswith("ASYNC_COSYVOICE__") and k not in ("ASYNC_COSYVOICE_TARGET", "ASYNC_COSYVOICE_TOKEN")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)
     return env
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cosyvoice_cli", *args], cwd=cwd or ROOT, env=cli_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, python_flags: tuple[str, ...] = (),
+            **env: str) -> subprocess.CompletedProcess:
+    """`python [python_flags] -m cosyvoice_cli ARGS` as a user would run `async-cosyvoice ARGS`."""
+    return subprocess.run([sys.executable, *python_flags, "-m", "cosyvoice_cli", *args], cwd=cwd or ROOT,
+                          env=cli_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def imported_modules(importtime_log: str) -> set[str]:
+    """The modules a `python -X importtime` run imported, from its stderr."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_log.splitlines()
+            if line.startswith("import time:") and "|" in line}
 
 
 class ServeProcess:
