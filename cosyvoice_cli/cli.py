@@ -73,8 +73,8 @@ def command(args):
         return getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as e:  # the client-only install (clients/python) has no model code
         raise ModuleNotFoundError(
-            f"`{args.command}` without --target runs the model in this process and needs the full "
-            f"async_cosyvoice package (missing: {e.name}); this install can call a server: add "
+            f"`{args.command}` runs the model in this process and needs the full async_cosyvoice package "
+            f"(missing: {e.name}); this install is the client: synthesize, speakers and bench with "
             "--target HOST:PORT") from None
 
 
