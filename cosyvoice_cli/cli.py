@@ -13,6 +13,7 @@ import logging
 import sys
 
 import grpc
+import pydantic
 
 from async_cosyvoice import batch
 from async_cosyvoice.errors import CosyVoiceError, ModelDirError
@@ -87,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         return command(args)(args)
     except grpc.aio.AioRpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+    except pydantic.ValidationError as e:  # pydantic's own text is a paragraph per field
+        fields = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in e.errors())
+        print(f"error: the config (--config, ASYNC_COSYVOICE__* variables) is not valid: {fields}", file=sys.stderr)
     except (CosyVoiceError, ModelDirError, OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
     return 2
 
 

@@ -75,3 +75,12 @@ def test_shared_options_may_come_before_the_command():
 def test_options_for_the_other_place_are_refused(capsys):
     assert main(["synthesize", "--text", "x", "--speaker", "a", "--wait", "3", "--out", "o.wav"]) == 2
     assert "--wait: only with --target" in capsys.readouterr().err
+
+
+def test_an_invalid_config_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server:\n  port: -5\n  bogus: 1\n")
+    assert main(["--config", str(bad), "speakers", "list"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "server.port: Input should be greater than or equal to 0" in err
+    assert "server.bogus: Extra inputs are not permitted" in err
