@@ -72,12 +72,19 @@ class ModelDirSpeakers(SpeakerStoreBase):
                 return self.records[speaker_id]
             raise
 
-    def put(self, record: SpeakerRecord, overwrite: bool = False) -> None:
-        if self._model_only(record.speaker_id):
+    def _refuse_model_only(self, speaker_id: str, overwrite: bool) -> None:
+        if self._model_only(speaker_id):
             if overwrite:
-                raise self._read_only(record.speaker_id, "overwritten")
-            raise SpeakerExists(f"speaker {record.speaker_id!r} exists: it comes with the model directory "
-                                f"({self.path}); register your voice under another id")
+                raise self._read_only(speaker_id, "overwritten")
+            raise SpeakerExists(f"speaker {speaker_id!r} exists: it comes with the model directory "
+                                f"({self.path}) and is read-only; register your voice under another id")
+
+    def check_put(self, speaker_id: str, overwrite: bool = False) -> None:
+        self._refuse_model_only(speaker_id, overwrite)
+        self.store.check_put(speaker_id, overwrite)
+
+    def put(self, record: SpeakerRecord, overwrite: bool = False) -> None:
+        self._refuse_model_only(record.speaker_id, overwrite)
         self.store.put(record, overwrite)
 
     def exists(self, speaker_id: str) -> bool:

@@ -257,6 +257,11 @@ class SpeakerStoreBase(abc.ABC):
     def infos(self) -> list[SpeakerInfo]:
         """Every speaker without its arrays, sorted by id."""
 
+    def check_put(self, speaker_id: str, overwrite: bool = False) -> None:
+        """Raise what `put` would for this id before the caller computes a record for it."""
+        if not overwrite and self.exists(speaker_id):
+            raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
+
     def unreadable_records(self) -> list[tuple[str, str]]:
         """(where, why) for every stored record that cannot be read, each logged; the server
         calls it at start-up. A backend that cannot hold a torn record returns []."""

@@ -38,7 +38,6 @@ from .engine.base import (
 )
 from .errors import (
     InvalidRequest,
-    SpeakerExists,
     SpeakerNotFound,
     TextTimeout,
     Unsupported,
@@ -280,8 +279,7 @@ class Synthesizer:
         validate_speaker_id(speaker_id)
         self.rules.check_text(prompt_text, "prompt_text")
         self.rules.check_prompt(audio, "prompt_audio")
-        if not overwrite and await self._in_cpu(self.speakers.exists, speaker_id):
-            raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
+        await self._in_cpu(self.speakers.check_put, speaker_id, overwrite)
         record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text))
         await self._in_cpu(self.speakers.put, record, overwrite)
         try:

@@ -110,3 +110,16 @@ def test_the_command_line_shows_and_protects_them(tiny_dir, tmp_path, capsys):
     assert main(["speakers", "rm", "tiny_zs_spk", *common]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "read-only" in err and "tiny_zs_spk" in err
+
+
+def test_a_registration_is_refused_before_its_voice_is_computed(speakers):
+    """What the Synthesizer asks before encoding a prompt (check_put) says the same as put."""
+    with pytest.raises(SpeakerExists, match="read-only; register your voice under another id"):
+        speakers.check_put("tiny_zs_spk")
+    with pytest.raises(Unsupported, match="cannot be overwritten"):
+        speakers.check_put("tiny_zs_spk", overwrite=True)
+    speakers.check_put("new_voice")
+    speakers.put(speakers.get("tiny_zs_spk").replace_id("new_voice"))
+    with pytest.raises(SpeakerExists, match="pass overwrite"):
+        speakers.check_put("new_voice")
+    speakers.check_put("new_voice", overwrite=True)
