@@ -2,7 +2,7 @@
 them): usable by id at once, read-only, beside the speaker store.
 
 Where both have an id, the store's record wins: it was put there on purpose (a registration, or
-an earlier `speakers import` of the same file). Registering an id that only the model directory
+an import of the same file, which writes to the store). Registering an id that only the model directory
 has is ALREADY_EXISTS, overwriting or deleting it FAILED_PRECONDITION: those voices belong to the
 model, not to the store.
 """
@@ -100,6 +100,11 @@ class ModelDirSpeakers(SpeakerStoreBase):
         shadowed = {i.speaker_id for i in stored}
         model = [r.info for i, r in self.records.items() if i not in shadowed]
         return sorted(stored + model, key=lambda i: i.speaker_id)
+
+    def import_spk2info(self, path, overwrite: bool = False, rename=None, tokenize=None) -> list[str]:
+        """Into the store, as deliberate records (checked against the store only): they shadow the
+        model directory's speakers of the same ids, e.g. an import of the model's own file."""
+        return self.store.import_spk2info(path, overwrite=overwrite, rename=rename, tokenize=tokenize)
 
     def unreadable_records(self) -> list[tuple[str, str]]:
         return self.store.unreadable_records()

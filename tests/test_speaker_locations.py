@@ -123,3 +123,12 @@ def test_a_registration_is_refused_before_its_voice_is_computed(speakers):
     with pytest.raises(SpeakerExists, match="pass overwrite"):
         speakers.check_put("new_voice")
     speakers.check_put("new_voice", overwrite=True)
+
+
+def test_an_import_writes_to_the_store(speakers, tiny_dir):
+    """Importing the model's own file (what users did before these speakers were served) puts
+    copies into the store, which then win; nothing about the model directory changes."""
+    assert speakers.import_spk2info(tiny_dir / "spk2info.pt") == ["tiny_zs_spk", "tiny_sft_spk"]
+    assert speakers.store.ids() == ["tiny_sft_spk", "tiny_zs_spk"]
+    speakers.delete("tiny_sft_spk")  # the store's copy
+    assert speakers.store.ids() == ["tiny_zs_spk"] and "tiny_sft_spk" in speakers
