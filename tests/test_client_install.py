@@ -90,6 +90,8 @@ def test_the_command_line_runs_from_the_client_wheel_without_torch(wheel_dir, se
                         "--target", server.target, "--out", str(out), cwd=tmp_path)
     assert spoken.returncode == 0, spoken.stderr
     assert sf.info(out).samplerate == 24000 and sf.info(out).frames > 0
+    kept = from_wheel(wheel_dir, "speakers", "rm", "tiny_sft_spk", "--target", server.target, cwd=tmp_path)
+    assert kept.returncode == 2 and kept.stderr.startswith("error: FAILED_PRECONDITION") and "read-only" in kept.stderr
     local = from_wheel(wheel_dir, "speakers", "list", cwd=tmp_path)
     assert local.returncode == 2 and local.stderr.count("\n") == 1, local.stderr
     assert "needs the full async_cosyvoice package" in local.stderr and "--target" in local.stderr
