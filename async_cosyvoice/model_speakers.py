@@ -22,10 +22,11 @@ SPK2INFO = "spk2info.pt"
 
 def with_model_speakers(store: SpeakerStoreBase, model_dir: Path | None,
                         tokenize: Tokenize | None = None) -> SpeakerStoreBase:
-    """`store`, plus the speakers of `model_dir`/spk2info.pt where there is one."""
+    """`store`, plus the speakers of `model_dir`/spk2info.pt where it has any."""
     if model_dir is None or not (Path(model_dir) / SPK2INFO).is_file():
         return store
-    return ModelDirSpeakers(store, Path(model_dir) / SPK2INFO, tokenize)
+    records = read_model_speakers(Path(model_dir) / SPK2INFO, tokenize)
+    return ModelDirSpeakers(store, Path(model_dir) / SPK2INFO, records) if records else store
 
 
 def read_model_speakers(path: Path, tokenize: Tokenize | None = None) -> dict[str, SpeakerRecord]:
@@ -49,10 +50,10 @@ def read_model_speakers(path: Path, tokenize: Tokenize | None = None) -> dict[st
 class ModelDirSpeakers(SpeakerStoreBase):
     """A speaker store with the model directory's speakers beside it, read-only."""
 
-    def __init__(self, store: SpeakerStoreBase, path: Path, tokenize: Tokenize | None = None):
+    def __init__(self, store: SpeakerStoreBase, path: Path, records: dict[str, SpeakerRecord]):
         self.store = store
         self.path = path
-        self.records = read_model_speakers(path, tokenize)
+        self.records = records
 
     def __repr__(self) -> str:
         return f"{self.store!r} + {len(self.records)} read-only speaker(s) from {self.path}"
