@@ -169,7 +169,8 @@ class Synthesizer:
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
-        speakers = with_model_speakers(open_speaker_store(config.speakers), model_dir.path, tokenizer.encode)
+        speakers = with_model_speakers(open_speaker_store(config.speakers), model_dir.path,
+                                       tokenizer.encode)  # beside the store, the model directory's spk2info.pt
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,

@@ -101,8 +101,8 @@ def speakers(args) -> int:
     elif args.action == "show":
         r = speakers.get(args.id)
         shown = speakers_cli.shown(*_info_fields(r.info))
-        shown.update(prompt_text_tokens=int(r.voice.prompt_text_tokens.size), speech_feat=list(r.voice.speech_feat.shape),
-                     embedding=list(r.voice.embedding.shape))
+        shown.update(prompt_text_tokens=int(r.voice.prompt_text_tokens.size),
+                     speech_feat=list(r.voice.speech_feat.shape), embedding=list(r.voice.embedding.shape))
         print(json.dumps(shown, indent=2))
     elif args.action == "rm":
         speakers.delete(args.id)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import socket
 
 import pytest
+from serve_process import run_cli
 
 from cosyvoice_cli.cli import VERBS, build_parser, main
 from cosyvoice_cli.options import verb_first
-from serve_process import run_cli
 
 
 def one_error_line(r) -> str:

@@ -2,12 +2,12 @@
 server to be SERVING), with `--target` before or after the verb, and without importing torch."""
 from __future__ import annotations
 
-import soundfile as sf
 import pytest
-
-from async_cosyvoice.speakers import SpeakerStore
+import soundfile as sf
 from conftest import _free_port
 from serve_process import ServeProcess, imported_modules, run_cli
+
+from async_cosyvoice.speakers import SpeakerStore
 
 
 def torch_modules(importtime_log: str) -> set[str]:

@@ -7,7 +7,6 @@ import io
 import httpx
 import pytest
 import soundfile as sf
-
 from conftest import _free_port
 from serve_process import ServeProcess
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from serve_process import run_cli
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import SpeakerExists, SpeakerNotFound, Unsupported
@@ -14,8 +15,6 @@ from async_cosyvoice.files import data_root
 from async_cosyvoice.model_speakers import ModelDirSpeakers, with_model_speakers
 from async_cosyvoice.speakers import SpeakerRecord, SpeakerStore
 from cosyvoice_cli.cli import main
-from serve_process import run_cli
-
 
 # ---- the data folder ------------------------------------------------------------------------
 
