@@ -258,7 +258,7 @@ class Synthesizer:
             voice = (await self._in_cpu(self.speakers.get, request.speaker_id)).voice
             if spec.flow_prompt and voice.kind == "sft":
                 raise Unsupported(f"speaker {request.speaker_id!r} is an embedding-only (sft) speaker; "
-                                  f"mode {request.mode.value} needs a zero-shot speaker")
+                                  f"mode {request.mode.value} needs a zero-shot speaker: use mode sft for it")
             return voice if spec.flow_prompt else Voice.embedding_only(voice.embedding)
         # VC too gets the aligned prompt (upstream's frontend_vc skips the alignment, which makes
         # the flow's output length depend on the prompt's mel/token mismatch)

@@ -37,6 +37,10 @@ def test_client_verbs_run_right_after_serve(tiny_dir, tmp_path):
         assert torch_modules(spoken.stderr) == set()
         audio, rate = sf.read(out, dtype="float32")
         assert rate == 24000 and len(audio) > 0 and len(audio) % 960 == 0
+        wrong = run_cli("synthesize", "--speaker", "tiny_sft_spk", "--mode", "zero_shot_by_spk_id", "--text", "Hi.",
+                        "--out", str(tmp_path / "x.wav"), "--target", target)
+        assert wrong.returncode == 2 and wrong.stderr.startswith("error: FAILED_PRECONDITION")
+        assert "use mode sft for it" in wrong.stderr and wrong.stderr.count("\n") == 1
         assert server.proc.poll() is None
 
 
