@@ -8,6 +8,7 @@ from conftest import _free_port
 from serve_process import ServeProcess, imported_modules, run_cli
 
 from async_cosyvoice.speakers import SpeakerStore
+from cosyvoice_cli.cli import main
 
 
 def torch_modules(importtime_log: str) -> set[str]:
@@ -55,3 +56,9 @@ def test_no_server_there_is_one_line_after_the_wait(tmp_path):
     r = run_cli("--target", dead, "--wait", "0", "speakers", "list")  # no wait: the call itself fails
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert r.stderr.startswith("error: UNAVAILABLE")
+
+
+def test_bench_waits_as_long_as_it_is_told(capsys):
+    dead = f"127.0.0.1:{_free_port()}"
+    assert main(["--target", dead, "--wait", "0.5", "bench", "--concurrency", "1", "--requests", "1"]) == 2
+    assert capsys.readouterr().err == f"error: {dead} not SERVING after 0.5 s\n"
