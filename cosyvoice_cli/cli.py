@@ -1,7 +1,7 @@
 """`async-cosyvoice serve | synthesize | speakers | bench | batch`.
 
 The parser and what a call to a server needs (cosyvoice_cli.remote) import no torch: a command with
-`--target` starts in well under a second, and the client-only install (clients/python) has no
+`--target` skips the seconds of importing torch, and the client-only install (clients/python) has no
 torch at all. What runs the model here (cosyvoice_cli.local, cosyvoice_cli.serve) is named in
 COMMANDS and imported when that command runs, as a console script names its function.
 """

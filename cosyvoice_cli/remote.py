@@ -1,5 +1,5 @@
 """`synthesize` and `speakers` against a server (`--target HOST:PORT`): gRPC, numpy and soundfile,
-no torch (a call starts in well under a second; the client-only install, clients/python, has no
+no torch (no seconds of torch import per call; the client-only install, clients/python, has no
 torch at all)."""
 from __future__ import annotations
 
