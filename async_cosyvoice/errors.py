@@ -68,6 +68,11 @@ class EngineDead(NotReady):
     cannot serve any more and is exiting. -> UNAVAILABLE"""
 
 
+class ConfigError(CosyVoiceError, ValueError):
+    """The configuration asks for what this machine cannot give (a device this torch build lacks,
+    a port another process holds). Raised before anything is loaded; the message says the fix."""
+
+
 @dataclass(frozen=True)
 class ErrorStatus:
     grpc: str   # grpc.StatusCode name

@@ -1,6 +1,6 @@
 """SpeakerStore: registered voices, persisted as one safetensors file per speaker.
 
-On disk (folder `speakers.dir`, default `spk2info/`):
+On disk (folder `speakers.dir`, default the data folder's `speakers/`, see `files.data_root`):
 
     <sha256(speaker_id)>.safetensors   arrays + JSON metadata (speaker id, kind, prompt text, time)
     .lock                              fcntl lock taken by every writer (threads and processes)
@@ -373,6 +373,11 @@ class SpeakerStoreBase(abc.ABC):
     @abc.abstractmethod
     def infos(self) -> list[SpeakerInfo]:
         """Every speaker without its arrays, sorted by id."""
+
+    def check_put(self, speaker_id: str, overwrite: bool = False) -> None:
+        """Raise what `put` would for this id before the caller computes a record for it."""
+        if not overwrite and self.exists(speaker_id):
+            raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
 
     def unreadable_records(self) -> list[tuple[str, str]]:
         """(where, why) for every stored record that cannot be read, each logged; the server

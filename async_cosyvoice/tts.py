@@ -26,6 +26,7 @@ import torch
 
 from .config import Config
 from .demo import resolve_model_dir
+from .devices import check_device
 from .engine import create_engine
 from .engine.base import (
     BistreamRequest,
@@ -38,7 +39,6 @@ from .engine.base import (
 from .errors import (
     InvalidRequest,
     SpeakerCorrupt,
-    SpeakerExists,
     SpeakerNotFound,
     StoreUnavailable,
     TextTimeout,
@@ -52,6 +52,7 @@ from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
+from .model_speakers import with_model_speakers
 from .models.dims import RASParams
 from .offline import segments_at_once
 from .request import (
@@ -153,8 +154,8 @@ class Synthesizer:
 
     @classmethod
     def _build(cls, config: Config, token2wav: Callable[[ModelDir], Token2WavBatcher] | None) -> "Synthesizer":
+        device = check_device(config.model.device)
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
-        device = torch.device(config.model.device)
         if compile_in_use(config):
             use_compile_cache(config)
         # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
@@ -170,7 +171,8 @@ class Synthesizer:
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
-        speakers = open_speaker_store(config.speakers, fit=VoiceFit.of(model_dir.dims))
+        speakers = with_model_speakers(open_speaker_store(config.speakers, fit=VoiceFit.of(model_dir.dims)),
+                                       model_dir.path, tokenizer.encode)  # beside the store, the model directory's spk2info.pt
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
@@ -266,7 +268,7 @@ class Synthesizer:
             voice = (await self._in_cpu(self.speakers.get, request.speaker_id)).voice
             if spec.flow_prompt and voice.kind == "sft":
                 raise Unsupported(f"speaker {request.speaker_id!r} is an embedding-only (sft) speaker; "
-                                  f"mode {request.mode.value} needs a zero-shot speaker")
+                                  f"mode {request.mode.value} needs a zero-shot speaker: use mode sft for it")
             return voice if spec.flow_prompt else Voice.embedding_only(voice.embedding)
         # VC too gets the aligned prompt (upstream's frontend_vc skips the alignment, which makes
         # the flow's output length depend on the prompt's mel/token mismatch)
@@ -288,8 +290,7 @@ class Synthesizer:
         validate_speaker_id(speaker_id)
         self.rules.check_text(prompt_text, "prompt_text")
         self.rules.check_prompt(audio, "prompt_audio")
-        if not overwrite and await self._in_cpu(self.speakers.exists, speaker_id):
-            raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
+        await self._in_cpu(self.speakers.check_put, speaker_id, overwrite)
         record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text))
         await self._in_cpu(self.speakers.put, record, overwrite)
         try:

@@ -24,29 +24,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import ipaddress
 import logging
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health as grpc_health
-from grpc_health.v1 import health_pb2
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import CosyVoiceError, ModelDirError, StoreUnavailable, Unsupported
+from async_cosyvoice.devices import check_device
+from async_cosyvoice.errors import (
+    ConfigError,
+    CosyVoiceError,
+    ModelDirError,
+    StoreUnavailable,
+    Unsupported,
+)
 from async_cosyvoice.heap import fix_mmap_threshold
 from async_cosyvoice.loop_thread import LoopThread
-from async_cosyvoice.placement import create_synthesizer
+from async_cosyvoice.placement import create_synthesizer, devices_of
 from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.tts import Synthesizer
 
 from ._stubs import SERVICE_NAME
-from .device_metrics import DeviceCollector
 from .auth import BearerAuthInterceptor, server_credentials
+from .device_metrics import DeviceCollector
 from .metrics import Metrics
 from .servicer import CosyVoiceServicer, pb2_grpc
 from .store_watch import StoreWatch
@@ -64,6 +73,34 @@ _END_STREAMS_WAIT = 5.0  # seconds for cancelled streams to send their UNAVAILAB
 # UNAVAILABLE with the reason: grpc's stop cancels calls it has not yet handed to a handler, so a
 # request racing the health change would otherwise get a bare CANCELLED, which clients don't retry.
 _DEAD_LINGER_SECONDS = 1.0
+
+
+def check_port_free(host: str, port: int | None, door: str) -> None:
+    """ConfigError when another process listens on host:port (grpc and uvicorn would each print
+    their own lines and a traceback). Port None or 0 (any free port) is always fine."""
+    if not port:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"the {door} port {host}:{port} is in use by another process; stop it or "
+                                      f"choose another port") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server to this machine (a name other than localhost counts as
+    not: it may resolve to any interface)."""
+    if host.lower() in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class HealthServicer(grpc_health.aio.HealthServicer):
@@ -112,6 +149,18 @@ class CosyVoiceServer:
         cfg = self.config
         if cfg.server.port is None and cfg.server.http_port is None:
             raise ValueError("both front doors are off: set server.port (gRPC) and/or server.http_port (HTTP)")
+        if self._given is None:
+            for device in devices_of(cfg):
+                check_device(device)
+        check_port_free(cfg.server.host, cfg.server.port, "gRPC (--port)")
+        check_port_free(cfg.server.host, cfg.server.http_port, "HTTP (--http-port)")
+        check_port_free(cfg.server.host, cfg.server.metrics_port, "metrics (server.metrics_port)")
+        self.engine_died = asyncio.get_running_loop().create_future()  # whichever doors are open
+        if not is_loopback(cfg.server.host) and not cfg.server.auth_token:
+            log.warning("server.host %s accepts connections from other machines and server.auth_token is not set: "
+                        "anyone who reaches the port can synthesize and register or delete speakers; set "
+                        "server.auth_token (env ASYNC_COSYVOICE__SERVER__AUTH_TOKEN) or bind 127.0.0.1",
+                        cfg.server.host)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if cfg.server.port is not None:
             await self._start_grpc()
@@ -130,9 +179,8 @@ class CosyVoiceServer:
     async def _start_grpc(self) -> None:
         cfg = self.config
         limits = cfg.limits
-        self.engine_died = asyncio.get_running_loop().create_future()
-        auth = [BearerAuthInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
-        self._server = grpc.aio.server(interceptors=[*auth, UndecodableRequests()], options=[
+        interceptors = [BearerAuthInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
+        self._server = grpc.aio.server(interceptors=[*interceptors, UndecodableRequests()], options=[
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
             ("grpc.so_reuseport", 0),
@@ -150,7 +198,7 @@ class CosyVoiceServer:
             raise RuntimeError(f"cannot bind {address}")
         await self._server.start()
         log.info("listening on %s:%d (%s%s)", cfg.server.host, self.port, "TLS" if creds else "plaintext",
-                 ", bearer auth" if auth else "")
+                 ", bearer auth" if interceptors else "")
 
     # ---- the HTTP front door (http_api): same loop, synthesizer, limiter, token and metrics ----
 
@@ -216,6 +264,7 @@ class CosyVoiceServer:
             else:
                 synth = await create_synthesizer(self.config)  # one device, or several (model.devices)
         self.servicer.synth = synth
+        log.info("speaker store: %r", synth.speakers)
         self.metrics.bind_engine(synth.engine_stats)
         self.metrics.bind_stages(synth.stage_stats)
         self.metrics.registry.register(DeviceCollector(synth))
