@@ -23,13 +23,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile as sf
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
 from cosyvoice_cli.cli import build_parser, serve_config
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
-from grpc_async.client import CosyVoiceClient, collect
+from grpc_async.client import ENCODINGS, CosyVoiceClient, collect, pb2
+from http_api.audio import OPENAI_FORMATS, STREAM_FORMATS
 from grpc_async.server import ServerThread
 
 TOKEN = "http-s3cret"
@@ -223,6 +225,91 @@ def test_every_response_format_decodes(client, reference_pcm, fmt, request):
     n = len(samples) * RATE / rate
     assert abs(n - len(reference_pcm)) <= CHUNK_SLACK, (fmt, n, len(reference_pcm))
     assert np.abs(samples).max() > 1e-3  # not silence
+
+
+# ---- every output format round-trips: read back as a user would, and accepted back as prompt audio
+
+LIBSNDFILE_READS = ("wav", "flac", "opus", "mp3")  # libsndfile 1.2.2 has no AAC and no WebM
+CODEC_SLACK = {"mp3": 3 * 1152, "aac": 3 * 1024}   # encoder priming (no end trim in these streams)
+
+
+def read_like_a_user(data: bytes, fmt: str, rate: int = RATE) -> tuple[np.ndarray, int]:
+    """python-soundfile (libsndfile) where it knows the format, numpy for raw PCM, PyAV otherwise."""
+    if fmt in LIBSNDFILE_READS:
+        return sf.read(io.BytesIO(data), dtype="float32")
+    if fmt in ("pcm", "pcm16", "f32", "float32"):
+        return (np.frombuffer(data, "<i2").astype(np.float32) / 32768 if fmt in ("pcm", "pcm16")
+                else np.frombuffer(data, "<f4")), rate
+    return decode(data, fmt)
+
+
+def check_length(fmt: str, got: int, want: int) -> None:
+    assert want <= got <= want + CODEC_SLACK.get(fmt, 0), (fmt, got, want)
+
+
+def raw_pcm(data: bytes, fmt: str, rate: int = RATE) -> pb2.AudioData:
+    encoding = pb2.PCM_ENCODING_S16LE if fmt in ("pcm", "pcm16") else pb2.PCM_ENCODING_F32LE
+    return pb2.AudioData(pcm=pb2.RawPcm(data=data, encoding=encoding, sample_rate=rate, channels=1))
+
+
+def register_back(server, http, speaker_id: str, data: bytes, fmt: str) -> None:
+    """The server's own output as a new voice's prompt: files over HTTP, raw PCM over gRPC."""
+    if fmt in ("pcm", "pcm16", "f32", "float32"):
+        async def body():
+            async with CosyVoiceClient(server.target, token=TOKEN) as c:
+                await c.register_speaker(speaker_id, PROMPT_TEXT, raw_pcm(data, fmt))
+        asyncio.run(body())
+    else:
+        r = http.post("/v1/audio/voices", data={"id": speaker_id, "transcript": PROMPT_TEXT},
+                      files={"audio": (f"prompt.{fmt}", data)})
+        assert r.status_code == 201, r.text
+    assert http.delete(f"/v1/audio/voices/{speaker_id}").status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", OPENAI_FORMATS)
+def test_every_format_round_trips_through_http(server, http, reference_pcm, fmt):
+    r = http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": TEXT,
+                                            "response_format": fmt, "seed": 7})
+    assert r.status_code == 200, r.text
+    samples, rate = read_like_a_user(r.content, fmt)
+    assert rate == RATE
+    check_length(fmt, len(samples), len(reference_pcm))
+    register_back(server, http, f"rt_http_{fmt}", r.content, fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", STREAM_FORMATS)
+def test_every_format_round_trips_through_the_websocket(server, http, fmt):
+    messages = [{"type": "config", "voice": "alloy", "format": fmt, "options": {"seed": 7}},
+                {"type": "text", "text": TEXT}, {"type": "end"}]
+    received, code = asyncio.run(ws_session(server.ws, messages))
+    assert code == 1000, received[-1]
+    data = check_audio_messages(received)
+    samples, rate = read_like_a_user(data, fmt)
+    assert rate == (48000 if fmt == "webm" else RATE)  # FFmpeg decodes Opus at 48 kHz
+    check_length(fmt, round(len(samples) * RATE / rate), round(received[-1]["audio_seconds"] * RATE))
+    register_back(server, http, f"rt_ws_{fmt}", data, fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+@pytest.mark.parametrize("encoding", list(ENCODINGS))
+def test_every_format_round_trips_through_grpc(server, http, encoding, stream):
+    rate = 16000 if encoding != "webm" else 48000
+
+    async def body():
+        async with CosyVoiceClient(server.target, token=TOKEN) as c:
+            return [ch async for ch in c.synthesize(TEXT, speaker_id="tiny_zs_spk", seed=7, stream=stream,
+                                                    encoding=encoding, sample_rate=rate)]
+    chunks = asyncio.run(body())
+    data = b"".join(ch.audio for ch in chunks)
+    samples, got_rate = read_like_a_user(data, encoding, rate)
+    assert got_rate == rate
+    check_length(encoding, len(samples), sum(ch.num_samples for ch in chunks))
+    register_back(server, http, f"rt_grpc_{encoding}", data, encoding)
 
 
 def test_sse_events(http, reference_pcm):
