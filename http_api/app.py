@@ -71,5 +71,9 @@ def create_app(backend: Backend) -> FastAPI:
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
+    @app.get("/favicon.ico", include_in_schema=False)  # what browsers and bookmarks ask for
+    async def favicon() -> FileResponse:
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     app.add_middleware(BodyLimit, limit=backend.config.limits.max_message_bytes)
     return app
