@@ -694,6 +694,7 @@ def test_web_page_favicon_and_formats_from_the_server(server, browser):
 @pytest.mark.parametrize("fmt", ["pcm", "mp3"])
 def test_web_page_plays_with_a_level_view_and_downloads(server, browser, tmp_path, fmt):
     page = open_page(server, browser)
+    assert not page.is_visible("#download")  # nothing spoken yet
     seconds = speak_on_page(page, "tiny_zs_spk", fmt)
     assert seconds > 0.5
     # the level view drew frames while the audio played, and saw sound
