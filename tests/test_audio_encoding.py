@@ -12,7 +12,7 @@ import soundfile as sf
 
 from async_cosyvoice.audio_encoding import FORMATS, AudioStreamEncoder, _OggPager
 from async_cosyvoice.errors import InvalidRequest
-from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
+from async_cosyvoice.frontend.audio import AudioError, load_audio, pcm_to_audio
 
 SOURCE_RATE = 24000
 CHUNK = 14400                       # 0.6 s at 24 kHz, the size of a streaming chunk
@@ -241,3 +241,13 @@ def test_properties():
     encoder = AudioStreamEncoder("mp3", 24000)
     assert encoder.format == "mp3" and encoder.content_type == "audio/mpeg"
     assert AudioStreamEncoder("webm", 48000).content_type == "audio/webm;codecs=opus"
+
+
+@pytest.mark.parametrize("upload", [
+    b"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n",
+    b"ffconcat version 1.0\nfile '/etc/passwd'\n",
+], ids=["hls", "concat"])
+def test_prompt_audio_is_never_a_list_of_other_files(upload):
+    """FFmpeg decodes what libsndfile cannot, but only audio files: no playlist or concat list."""
+    with pytest.raises(AudioError, match="cannot decode"):
+        load_audio(upload)

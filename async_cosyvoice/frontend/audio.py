@@ -85,9 +85,14 @@ def _read_libsndfile(source) -> tuple[np.ndarray, int]:
         return f.read(dtype="float32", always_2d=True), f.samplerate
 
 
+# Demuxers FFmpeg may use on an upload: audio files only, never a playlist or a concat list that
+# names other files or URLs.
+_FFMPEG_DEMUXERS = "aac,mov,mp4,m4a,matroska,webm,ogg,mp3,flac,wav"
+
+
 def _read_ffmpeg(source) -> tuple[np.ndarray, int]:
     """(frames, channels) float32 and the rate of the first audio stream, decoded by PyAV."""
-    with av.open(source) as container:
+    with av.open(source, options={"format_whitelist": _FFMPEG_DEMUXERS}) as container:
         stream = container.streams.audio[0]
         planes = [frame.to_ndarray().astype(np.float32, copy=False).reshape(frame.layout.nb_channels, -1)
                   for frame in _planar_float(container.decode(stream))]
