@@ -4,8 +4,10 @@ default server on CPU (the tiny demo model), in document order.
 - The examples are the fenced blocks tagged `bash`, `sh`, `shell`, `console` or `python`. An
   untagged block must not look like a command (it is a diagram or a listing): tag it.
 - A comment on the line before a fence marks it: `<!-- doc-test: skip: REASON -->` (needs a GPU,
-  a real model, Docker, ...: reported as a skip with the reason), or `<!-- doc-test: needs TOOL -->`
-  (runs where TOOL is on PATH, skipped with that reason elsewhere).
+  a real model, Docker, ...: reported as a skip with the reason), `<!-- doc-test: needs TOOL -->`
+  (runs where TOOL is on PATH, skipped with that reason elsewhere), or
+  `<!-- doc-test: without: CMD; CMD -->` (runs the block without those commands: the installer
+  and the test suite, which CI runs itself; `CMD && rest` keeps `rest`).
 - One server for all examples: `async-cosyvoice serve --http-port H --port G` with the default
   config and no model dir (the demo model), started here once. A background `serve ... &` line
   in an example is that server (not started again); the documented addresses 127.0.0.1:8000
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "bash", "python": "python"}
 FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
-MARKER = re.compile(r"<!--\s*doc-test:\s*(skip|needs)\b:?\s*(.*?)\s*-->\s*$")
+MARKER = re.compile(r"<!--\s*doc-test:\s*(skip|needs|without)\b:?\s*(.*?)\s*-->\s*$")
 LOOKS_LIKE_A_COMMAND = re.compile(r"^\s*(\$ |async-cosyvoice |\.venv/|python |pip |curl |grpcurl |docker |serve )")
 BACKGROUND_SERVE = re.compile(r"^\s*(\S*/)?async-cosyvoice serve\b[^\n#]*&[ \t]*(#.*)?$", re.M)
 DOC_HTTP, DOC_GRPC = "127.0.0.1:8000", "127.0.0.1:50051"
@@ -54,7 +56,7 @@ class Example:
     line: int
     lang: str
     code: str
-    marker: tuple[str, str] | None   # ("skip", reason) or ("needs", tool)
+    marker: tuple[str, str] | None   # ("skip", reason), ("needs", tool) or ("without", "cmd; cmd")
 
     @property
     def name(self) -> str:
@@ -85,6 +87,17 @@ def examples() -> list[Example]:
 EXAMPLES = examples()
 
 
+def runnable_code(example: Example) -> str:
+    """The example's code less the commands a `without` marker names."""
+    code = example.code
+    if example.marker and example.marker[0] == "without":
+        for command in filter(None, (c.strip() for c in example.marker[1].split(";"))):
+            assert command in code, f"{example.name}: the marker names {command!r}, which is not in the block"
+            code = code.replace(f"{command} && ", "")
+            code = "\n".join(line for line in code.split("\n") if not line.strip().startswith(command))
+    return code
+
+
 def test_untagged_blocks_are_no_commands():
     """A command in an untagged block would be skipped silently: every example carries its tag."""
     untagged = [f"{doc.relative_to(ROOT)}:{line}" for doc in DOCS for line, lang, body, _ in fences(doc)
@@ -93,7 +106,7 @@ def test_untagged_blocks_are_no_commands():
 
 
 def test_every_front_door_and_cli_verb_has_a_running_example():
-    running = "\n".join(e.code for e in EXAMPLES if e.marker is None or e.marker[0] == "needs")
+    running = "\n".join(runnable_code(e) for e in EXAMPLES if e.marker is None or e.marker[0] != "skip")
     for verb in ("synthesize", "speakers add", "speakers list", "speakers show", "speakers rm",
                  "speakers import", "speakers export", "bench", "batch"):
         assert re.search(rf"async-cosyvoice {verb}\b", running), verb
@@ -209,7 +222,7 @@ def test_doc_example_runs(example: Example, doc_server: DocServer, workdirs):
         doc_server.forget_voices()
         doc_server.doc = example.doc
     work = workdirs(example.doc)
-    code = doc_server.rewrite(example.code)
+    code = doc_server.rewrite(runnable_code(example))
     if RUN[example.lang] == "python":
         script = work / f"example_{example.line}.py"
         script.write_text(code)
