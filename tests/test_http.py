@@ -3,7 +3,8 @@ the official `openai` SDK, httpx, the `websockets` client and headless Chromium.
 
 One server per module (gRPC + HTTP in one loop, bearer token on both, aliases `alloy` ->
 tiny_zs_spk). Each response format is decoded back with PyAV and its duration compared with the
-PCM of the same seed.
+PCM of the same seed; every output format of every door round-trips (read back by libsndfile
+where it knows the format, PyAV otherwise, and registered back as a voice's prompt).
 """
 from __future__ import annotations
 
