@@ -119,6 +119,10 @@ def create_app(backend: Backend) -> FastAPI:
 
     if backend.config.server.http_docs:
         add_docs(app, backend)
+    @app.get("/favicon.ico", include_in_schema=False)  # what browsers and bookmarks ask for
+    async def favicon() -> FileResponse:
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     app.add_middleware(BodyLimit, limit=backend.config.limits.max_message_bytes)
     app.add_middleware(RequestId)  # outermost: the body limit's 413 gets an id too
     return app

@@ -1,4 +1,4 @@
-"""Voices (our registered speakers), models, and health probes."""
+"""Voices (our registered speakers), models, audio formats, and health probes."""
 from __future__ import annotations
 
 import asyncio
@@ -6,10 +6,12 @@ import asyncio
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
+from async_cosyvoice.audio_encoding import FORMATS
 from async_cosyvoice.errors import InvalidRequest, NotReady, StoreUnavailable
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.speakers import validate_speaker_id
 
+from .audio import OPENAI_FORMATS, STREAM_FORMATS
 from .backend import backend_of
 from .call import HttpCall
 from .errors import error_response, request_id_of
@@ -84,6 +86,17 @@ async def list_models(request: Request):
     backend = backend_of(request)
     name = backend.config.server.served_model_name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "async_cosyvoice"}]}
+
+
+@router.get("/v1/audio/formats")
+async def list_formats():
+    """Extension: the formats `POST /v1/audio/speech` (`speech`) and the WebSocket (`websocket`) write."""
+    data = [{"id": name, "object": "audio_format", "content_type": FORMATS[name].content_type,
+             "speech": name in OPENAI_FORMATS, "websocket": name in STREAM_FORMATS,
+             "streamed": not FORMATS[name].whole_file,
+             "sample_rates": list(FORMATS[name].sample_rates or ())}
+            for name in dict.fromkeys(OPENAI_FORMATS + STREAM_FORMATS)]
+    return {"object": "list", "data": data}
 
 
 @health.get("/healthz")

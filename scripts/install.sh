@@ -53,18 +53,20 @@ if command -v npm >/dev/null; then
 else
   echo "WARNING: no npm; the proto lint test will be skipped" >&2
 fi
-# redis-server (the Redis speaker store tests start one on 127.0.0.1) and Debian's chromium (the
-# web page's browser test, driven by Playwright): installed where we are root with apt-get.
+# redis-server (the Redis speaker store tests start one on 127.0.0.1), Debian's chromium (the
+# web page's browser test, driven by Playwright) and curl (the docs' examples, run by
+# tests/test_docs.py): installed where we are root with apt-get.
 missing=""
 command -v redis-server >/dev/null || missing="redis-server"
 command -v chromium >/dev/null || missing="$missing chromium"
+command -v curl >/dev/null || missing="$missing curl"
 if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     step "apt-get install$missing"
     { logged apt-get update -qq && logged env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing; } \
       || echo "WARNING: apt-get could not install$missing; the tests that need it say so" >&2
   else
-    echo "WARNING: install$missing (apt-get as root) for the Redis store and browser tests" >&2
+    echo "WARNING: install$missing (apt-get as root) for the Redis store, browser and docs tests" >&2
   fi
 fi
 step "done: .venv is ready (everything pip, npm and apt said: $LOG)"
