@@ -181,20 +181,38 @@ class CausalHiFT(HiFTStages):
 
     @torch.no_grad()
     def render(self, mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
-        """Many streams' calls: mels[b] (1, 80, T_b) -> speech (1, emitted_samples(T_b, finalize[b])).
-        Items of equal length and flag share one batched `inference` call; items too short to emit
-        anything get (1, 0)."""
+        """Many streams' calls: mels[b] (1, 80, T_b) -> speech (1, emitted_samples(T_b, finalize[b])),
+        each its own `inference` call's up to float summation order. Non-final items of any lengths
+        share one right-padded call (`render_nonfinal`); final items of equal length share one call.
+        Items too short to emit anything get (1, 0)."""
         if len(mels) != len(finalize):
             raise ValueError(f"got {len(mels)} mels and {len(finalize)} finalize flags")
         out: list[Tensor | None] = [None] * len(mels)
-        groups: dict[tuple[int, bool], list[int]] = {}
+        nonfinal, finals = [], {}
         for b, (mel, fin) in enumerate(zip(mels, finalize)):
             if self.emitted_samples(mel.shape[2], fin) == 0:
                 out[b] = mel.new_zeros(1, 0)
+            elif fin:
+                finals.setdefault(mel.shape[2], []).append(b)
             else:
-                groups.setdefault((mel.shape[2], fin), []).append(b)
-        for (_, fin), idx in groups.items():
-            speech, _ = self.inference(torch.cat([mels[b] for b in idx]), fin)
+                nonfinal.append(b)
+        if nonfinal:
+            for b, speech in zip(nonfinal, self.render_nonfinal([mels[b] for b in nonfinal])):
+                out[b] = speech
+        for idx in finals.values():
+            speech, _ = self.inference(torch.cat([mels[b] for b in idx]), finalize=True)
             for row, b in enumerate(idx):
                 out[b] = speech[row:row + 1]
         return out
+
+    def render_nonfinal(self, mels: list[Tensor]) -> list[Tensor]:
+        """Non-final calls of different lengths as one right-padded final-framed call. Exact per item:
+        every op is causal but the look-ahead convs, whose reads stay inside an item's own frames
+        for the samples a non-final call emits, and those samples end 480 before the item's last
+        iSTFT frame, so neither the padding nor the STFT's reflection at the batch end reach them."""
+        lengths = [m.shape[2] for m in mels]
+        mel = mels[0].new_zeros(len(mels), mels[0].shape[1], max(lengths))
+        for b, m in enumerate(mels):
+            mel[b, :, :lengths[b]] = m[0]
+        speech = self.decode(mel, self.source(self.f0_predictor(mel, finalize=True).to(mel.dtype)), finalize=True)
+        return [speech[b:b + 1, :self.emitted_samples(n, finalize=False)] for b, n in enumerate(lengths)]
