@@ -100,12 +100,13 @@ def test_nonfinal_call_is_a_prefix_of_the_final_one(vocoders, golden):
 
 @pytest.mark.parametrize("kind", ["real", "zero"])
 def test_render_batches_streams_exactly(vocoders, golden, kind):
-    """Non-final calls of different lengths in one padded call and equal-length finals together
-    equal their own calls (and items too short to emit anything come back empty)."""
+    """Final and non-final calls of different lengths in one padded call equal their own calls (and
+    items too short to emit anything come back empty)."""
     hift = vocoders[kind]
     mel = torch.from_numpy(golden["mel"]) + 0.3 * torch.randn(1, 80, 80, generator=torch.Generator().manual_seed(1))
-    mels = [mel, mel[:, :, :50], mel[:, :, :50], mel[:, :, :61], mel[:, :, :13], mel[:, :, :8], mel[:, :, :7]]
-    flags = [True, False, True, False, False, False, False]
+    mels = [mel, mel[:, :, :50], mel[:, :, :50], mel[:, :, :61], mel[:, :, :13], mel[:, :, :8], mel[:, :, :7],
+            mel[:, :, :1], mel[:, :, :0], mel[:, :, :79]]
+    flags = [True, False, True, False, False, False, False, True, True, True]
     for m, f, out in zip(mels, flags, hift.render(mels, flags)):
         assert out.shape[1] == hift.emitted_samples(m.shape[2], f)
         if out.numel():
