@@ -103,15 +103,19 @@ def test_streams_of_both_lengths_batch_together(d, flow, vocoders):
         torch.testing.assert_close(torch.cat(t), torch.cat(a), atol=ATOL, rtol=0)
 
 
-def test_estimator_backend_and_flow_graphs_path(d, flow, vocoders):
-    """The stage's other flow paths take the DiT as they take CosyVoice2's U-Net: the 'torch' and
-    'compiled' (no torch.compile, no graphs on CPU) estimator backends, and FlowGraphs' bucketed
-    whole-flow calls (padded to the bucket, no graph on CPU), reproduce a streamed golden."""
+def test_estimator_backend_and_flow_graphs_path(d, flow, vocoders, tmp_path):
+    """The stage's other flow paths take the DiT as they take CosyVoice2's U-Net: the 'torch',
+    'compiled' (no torch.compile, no graphs on CPU) and 'onnxruntime' (the DiT exported to ONNX,
+    chunked and full attention) estimator backends, and FlowGraphs' bucketed whole-flow calls
+    (padded to the bucket, no graph on CPU; for the backends with a capturable form), reproduce a
+    streamed golden."""
     z = np.load(d / "golden" / "e2e_vc_stream_hop25.npz")
     prompt = [torch.from_numpy(z[k]) for k in ("prompt_token", "prompt_feat", "embedding")]
-    for kind in ("torch", "compiled"):
-        est = make_estimator(kind, flow, compile=False, cuda_graphs=False)
-        graphs = FlowGraphs(flow, est.capturable, est, cuda_graphs=False, min_token_step=16)
+    for kind in ("torch", "compiled", "onnxruntime"):
+        est = make_estimator(kind, flow, compile=False, cuda_graphs=False, cache_dir=tmp_path, threads=1,
+                             flow_pt=d / "flow.pt")
+        graphs = (FlowGraphs(flow, est.capturable, est, cuda_graphs=False, min_token_step=16)
+                  if hasattr(est, "capturable") else None)
         runner = Token2WavRunner(flow, vocoders["real"], estimator=est, flow_cache=False, flow_graphs=graphs)
         stream = Token2WavStream(*prompt, schedule=ChunkSchedule(first_hop=25), causal_vocoder=True)
         _check(z, runner.render(stream, z["token"][0].tolist()), "audio")
