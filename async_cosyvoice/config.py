@@ -143,13 +143,20 @@ class SpeakerConfig(_Section):
 
 
 class LimitsConfig(_Section):
+    """What one request may ask for and how long a front door waits for it (docs/robustness.md)."""
     max_concurrent_streams: int = Field(64, ge=1)
-    max_text_chars: int = Field(4000, ge=1)
+    max_text_chars: int = Field(4000, ge=1)  # a text (Synthesize, HTTP input), a prompt text, one streamed piece
+    max_stream_text_chars: int = Field(20000, ge=1)  # all the pieces of one text stream together
     max_prompt_seconds: float = Field(30.0, gt=0)
     max_forced_tokens: int = Field(3000, ge=1)  # SynthesisOptions.max_tokens (benchmarks)
     max_message_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     max_source_seconds: float = Field(120.0, gt=0)  # vc source audio
     text_idle_seconds: float = Field(30.0, gt=0)  # a text stream that sends nothing for this long is ended
+    # StreamSynthesize and the WebSocket must send their config, an HTTP connection its request's
+    # head (request line and headers), within this; else DEADLINE_EXCEEDED / close 4408 / the socket closed
+    first_message_seconds: float = Field(10.0, gt=0)
+    body_read_seconds: float = Field(60.0, gt=0)  # an HTTP request body must arrive in full within this (408)
+    idle_connection_seconds: float = Field(60.0, gt=0)  # a connection with no call in progress is closed after this
 
 
 class ServerConfig(_Section):

@@ -39,7 +39,12 @@ class Unsupported(CosyVoiceError):
     """A valid request this model or configuration cannot serve. -> FAILED_PRECONDITION"""
 
 
-class TextTimeout(CosyVoiceError):
+class ClientTimeout(CosyVoiceError):
+    """A client sent what a request needs too slowly (limits.first_message_seconds, body_read_seconds).
+    -> DEADLINE_EXCEEDED / 408"""
+
+
+class TextTimeout(ClientTimeout):
     """A text stream sent no piece (nor its end) for longer than limits.text_idle_seconds. -> DEADLINE_EXCEEDED"""
 
 
@@ -89,6 +94,7 @@ ERROR_STATUSES: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (SpeakerExists, ErrorStatus("ALREADY_EXISTS", 409, "invalid_request_error", "voice_exists")),
     (SpeakerCorrupt, ErrorStatus("DATA_LOSS", 500, "server_error", "data_loss")),
     (TextTimeout, ErrorStatus("DEADLINE_EXCEEDED", 408, "invalid_request_error", "text_timeout")),
+    (ClientTimeout, ErrorStatus("DEADLINE_EXCEEDED", 408, "invalid_request_error", "timeout")),
     (Overloaded, ErrorStatus("RESOURCE_EXHAUSTED", 429, "rate_limit_error", "overloaded")),
     (StoreUnavailable, ErrorStatus("UNAVAILABLE", 503, "server_error", "store_unavailable")),
     (NotReady, ErrorStatus("UNAVAILABLE", 503, "server_error", "unavailable")),

@@ -128,13 +128,22 @@ class Voice:
                         for n in ("prompt_text_tokens", "speech_tokens", "speech_feat", "embedding")))
 
 
+SEED_MAX = 2**64 - 1  # seeds are unsigned 64-bit integers (RequestRules refuses others)
+
+
+def derived_seed(seed: int, stride: int, offset: int) -> int:
+    """`seed * stride + offset` folded to 64 bits: the seed of one generator of a request (one per
+    text segment, chunk, ...) for any request seed up to SEED_MAX; torch generators take 64 bits."""
+    return (seed * stride + offset) & SEED_MAX
+
+
 @dataclass(frozen=True)
 class SynthesisOptions:
     """Per-request options. None means: the service's configured default."""
     stream: bool = False
     speed: float = 1.0             # non-streaming only (upstream rule)
     text_frontend: bool = True     # normalize + split the text like upstream
-    seed: int | None = None
+    seed: int | None = None        # 0..SEED_MAX
     first_hop: int | None = None   # speech tokens in the first streamed chunk (config token2wav.first_hop)
     top_k: int | None = None       # RAS override (1 = greedy)
     max_tokens: int | None = None  # benchmarks: force a token count (EOS ignored until then)

@@ -15,8 +15,9 @@ import numpy as np
 
 from .config import Config
 from .errors import InvalidRequest
+from .frontend.audio import check_sample_rate
 from .frontend.model_input import MODE_SPECS
-from .request import Audio, Mode, SynthesisOptions, SynthesisRequest
+from .request import SEED_MAX, Audio, Mode, SynthesisOptions, SynthesisRequest
 from .speakers import validate_speaker_id
 
 ENDOFPROMPT = "<|endofprompt|>"
@@ -27,6 +28,7 @@ MAX_FIRST_HOP = 200
 @dataclass(frozen=True)
 class RequestRules:
     max_text_chars: int
+    max_stream_text_chars: int
     max_prompt_seconds: float
     max_source_seconds: float
     max_forced_tokens: int
@@ -35,8 +37,8 @@ class RequestRules:
     @classmethod
     def from_config(cls, config: Config) -> "RequestRules":
         lim = config.limits
-        return cls(lim.max_text_chars, lim.max_prompt_seconds, lim.max_source_seconds, lim.max_forced_tokens,
-                   config.token2wav.first_hop)
+        return cls(lim.max_text_chars, lim.max_stream_text_chars, lim.max_prompt_seconds, lim.max_source_seconds,
+                   lim.max_forced_tokens, config.token2wav.first_hop)
 
     def check(self, request: SynthesisRequest, *, streamed_text: bool = False) -> SynthesisRequest:
         """The request with its options resolved, or InvalidRequest. streamed_text: the text
@@ -77,6 +79,8 @@ class RequestRules:
         first_hop = self.first_hop if opts.first_hop is None else opts.first_hop
         if not 1 <= first_hop <= MAX_FIRST_HOP:
             raise InvalidRequest(f"first_hop must be in [1, {MAX_FIRST_HOP}], got {first_hop}")
+        if opts.seed is not None and not (isinstance(opts.seed, int) and 0 <= opts.seed <= SEED_MAX):
+            raise InvalidRequest(f"seed must be an integer in 0..{SEED_MAX} (2^64 - 1), got {opts.seed}")
         if opts.top_k is not None and opts.top_k < 1:
             raise InvalidRequest(f"top_k must be >= 1, got {opts.top_k}")
         if opts.max_tokens is not None and not 1 <= opts.max_tokens <= self.max_forced_tokens:
@@ -91,6 +95,18 @@ class RequestRules:
             raise InvalidRequest(f"{what} is {len(text)} characters long; the limit is {self.max_text_chars} "
                                  "(limits.max_text_chars)")
 
+    def check_piece(self, piece: str, received: int) -> int:
+        """One piece of a text stream (StreamSynthesize, the WebSocket), after `received` characters
+        of that stream; returns the stream's characters so far."""
+        if len(piece) > self.max_text_chars:
+            raise InvalidRequest(f"a text piece is {len(piece)} characters long; the limit is {self.max_text_chars} "
+                                 "(limits.max_text_chars)")
+        total = received + len(piece)
+        if total > self.max_stream_text_chars:
+            raise InvalidRequest(f"the text stream is over {self.max_stream_text_chars} characters "
+                                 f"({total} received; limits.max_stream_text_chars)")
+        return total
+
     def check_prompt(self, audio: Audio | None, what: str = "prompt_audio") -> None:
         self.check_audio(audio, what, self.max_prompt_seconds, "max_prompt_seconds")
 
@@ -100,6 +116,7 @@ class RequestRules:
             raise InvalidRequest(f"{what} is missing")
         if not (audio.sample_rate > 0 and np.asarray(audio.samples).ndim == 1 and len(audio.samples) > 0):
             raise InvalidRequest(f"{what} must be non-empty mono samples with a positive sample rate")
+        check_sample_rate(audio.sample_rate, what)  # before its length: a bogus rate makes a bogus length
         if audio.seconds > max_seconds:
             raise InvalidRequest(f"{what} is {audio.seconds:.2f} s long; the limit is {max_seconds:g} s "
                                  f"(limits.{limit_name})")

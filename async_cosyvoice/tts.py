@@ -62,6 +62,7 @@ from .request import (
     SynthesisOptions,
     SynthesisRequest,
     Voice,
+    derived_seed,
 )
 from .rules import ENDOFPROMPT, RequestRules
 from .speaker_store import open_speaker_store
@@ -86,10 +87,12 @@ def default_text_mode(supports_bistream: bool) -> TextMode:
     return "bistream" if supports_bistream else "sentence"
 
 
-async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float) -> AsyncIterator[str | object]:
-    """A text stream's pieces, checked (strings or FLUSH), ended by TextTimeout when none arrives
-    for `idle_seconds`."""
+async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float,
+                         rules: RequestRules) -> AsyncIterator[str | object]:
+    """A text stream's pieces, checked (strings or FLUSH, within the rules' text limits), ended by
+    TextTimeout when none arrives for `idle_seconds`."""
     pieces = aiter(text)
+    received = 0
     while True:
         try:
             piece = await asyncio.wait_for(anext(pieces), idle_seconds)
@@ -100,6 +103,8 @@ async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float)
                               "send the end of the text when it is complete") from None
         if piece is not FLUSH and not isinstance(piece, str):
             raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
+        if piece is not FLUSH:
+            received = rules.check_piece(piece, received)
         yield piece
 
 
@@ -390,7 +395,7 @@ class Synthesizer:
                                  "normalizes whole sentences (options.text_frontend=false skips that)")
         voice = await self.prepare_voice(request)
         instruction = await self._in_cpu(self._instruction_tokens, request)
-        pieces = checked_pieces(text, self.config.limits.text_idle_seconds)
+        pieces = checked_pieces(text, self.config.limits.text_idle_seconds, self.rules)
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
             model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
@@ -541,7 +546,7 @@ class Synthesizer:
             text_tokens=model_input.lm_text_tokens,
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             min_tokens=min(min_len, max_len), max_tokens=max(max_len, 1), ras=ras,
-            seed=None if opts.seed is None else opts.seed + segment,
+            seed=None if opts.seed is None else derived_seed(opts.seed, 1, segment),
             ignore_stop_tokens=forced)
 
     def _engine_request_id(self, request: SynthesisRequest, segment: int) -> str:

@@ -184,6 +184,9 @@ class CosyVoiceServer:
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # connections that never finish their handshake, or hold no call, are closed (GOAWAY)
+            ("grpc.server_handshake_timeout_ms", int(limits.first_message_seconds * 1000)),
+            ("grpc.max_connection_idle_ms", int(limits.idle_connection_seconds * 1000)),
         ])
         pb2_grpc.add_CosyVoiceServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -20,7 +20,7 @@ import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import CosyVoiceError, EngineDead, InvalidRequest, NotReady, status_of
+from async_cosyvoice.errors import ClientTimeout, CosyVoiceError, EngineDead, InvalidRequest, NotReady, status_of
 from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
 from async_cosyvoice.heap import HeapTrimmer
 from async_cosyvoice.limiter import StreamLimiter
@@ -375,7 +375,7 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
                     raise InvalidRequest("empty StreamSynthesizeRequest: set text or end")
 
         try:
-            first = await anext(aiter(request_iterator), None)
+            first = await self._first_message(request_iterator)
             if first is None or first.WhichOneof("message") != "config":
                 raise InvalidRequest("the first StreamSynthesize message must be a config "
                                      "(voice and options); text pieces follow it")
@@ -408,6 +408,16 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
                 with contextlib.suppress(BaseException):
                     await watcher
             self._finish(call)
+
+    async def _first_message(self, request_iterator):
+        """The StreamConfig (or whatever came first; None: the client half-closed), within
+        limits.first_message_seconds: a stream that never sends it must not hold its call."""
+        seconds = self.limits.first_message_seconds
+        try:
+            return await asyncio.wait_for(anext(aiter(request_iterator), None), seconds)
+        except TimeoutError:
+            raise ClientTimeout(f"no StreamConfig arrived within {seconds:g} s of the call's start "
+                                "(limits.first_message_seconds); send the config first") from None
 
     # ---- speakers ----
 

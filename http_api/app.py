@@ -2,6 +2,7 @@
 body limits, an x-request-id on every response, OpenAI-shaped errors."""
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 from urllib.parse import quote
@@ -13,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from . import errors, speech, voices, websocket
 from .backend import Backend, bearer, require_token
-from .errors import TOO_LARGE, error_body
+from .errors import TIMEOUT, TOO_LARGE, error_body
 
 STATIC = Path(__file__).parent / "static"
 
@@ -58,6 +59,50 @@ class BodyLimit:
     async def _reject(self, scope, receive, send) -> None:
         message = f"request body over {self.limit} bytes (limits.max_message_bytes)"
         await JSONResponse(error_body(TOO_LARGE, message), status_code=413)(scope, receive, send)
+
+
+class BodyDeadline:
+    """408 when a request body has not arrived in full within `seconds` of the request's start
+    (a body shorter than its Content-Length held the request forever); the connection is closed.
+    Once the body is complete, `receive` (which then waits for a disconnect) is not timed."""
+
+    def __init__(self, app, seconds: float):
+        self.app, self.seconds = app, seconds
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.seconds
+        body_done = timed_out = started = False
+
+        async def timed_receive():
+            nonlocal body_done, timed_out
+            if body_done:
+                return await receive()
+            if timed_out:
+                return {"type": "http.disconnect"}
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                timed_out = True
+                if not started:
+                    message = (f"the request body did not arrive in full within {self.seconds:g} s "
+                               "(limits.body_read_seconds)")
+                    await JSONResponse(error_body(TIMEOUT, message), status_code=TIMEOUT.http,
+                                       headers={"connection": "close"})(scope, receive, send)
+                return {"type": "http.disconnect"}
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if timed_out:
+                return  # the 408 went out already
+            started = True
+            await send(message)
+
+        await self.app(scope, timed_receive, guarded_send)
 
 
 class RequestId:
@@ -124,5 +169,6 @@ def create_app(backend: Backend) -> FastAPI:
         return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
 
     app.add_middleware(BodyLimit, limit=backend.config.limits.max_message_bytes)
+    app.add_middleware(BodyDeadline, seconds=backend.config.limits.body_read_seconds)
     app.add_middleware(RequestId)  # outermost: the body limit's 413 gets an id too
     return app

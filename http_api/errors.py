@@ -10,13 +10,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from async_cosyvoice.errors import ERROR_STATUSES, INTERNAL_STATUS, ErrorStatus, InvalidRequest, status_of
+from async_cosyvoice.errors import ERROR_STATUSES, INTERNAL_STATUS, ClientTimeout, ErrorStatus, InvalidRequest, status_of
 
 Status = ErrorStatus  # http, type (OpenAI's error "type"), code (also the WebSocket error code)
 INTERNAL = INTERNAL_STATUS
 INVALID = dict(ERROR_STATUSES)[InvalidRequest]
 UNAUTHORIZED = Status("UNAUTHENTICATED", 401, "authentication_error", "invalid_api_key")
 TOO_LARGE = Status("RESOURCE_EXHAUSTED", 413, "invalid_request_error", "request_too_large")
+TIMEOUT = dict(ERROR_STATUSES)[ClientTimeout]
 
 
 class ApiError(Exception):

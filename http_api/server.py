@@ -16,6 +16,7 @@ from async_cosyvoice.config import ServerConfig
 
 from .app import create_app
 from .backend import Backend
+from .connection import with_head_deadline
 from .protocol import JsonErrorsProtocol
 
 log = logging.getLogger("http_api")
@@ -43,10 +44,13 @@ class HttpFrontDoor:
             tls = {"ssl_certfile": str(self.tls[0]), "ssl_keyfile": str(self.tls[1])}
             if server.tls_client_ca:  # mTLS on both doors
                 tls.update(ssl_ca_certs=str(server.tls_client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        limits = backend.config.limits
         # one log line per request is ours (logger http_api); uvicorn logs only warnings and errors
         self._config = uvicorn.Config(create_app(backend), host=host, port=port, lifespan="off", access_log=False,
                                       log_config=None, log_level="warning", ws="websockets-sansio", ws_max_size=1 << 20,
-                                      timeout_graceful_shutdown=1, http=JsonErrorsProtocol, **tls)
+                                      timeout_graceful_shutdown=1,
+                                      http=with_head_deadline(JsonErrorsProtocol, limits.first_message_seconds),
+                                      timeout_keep_alive=limits.idle_connection_seconds, **tls)
         self._server = uvicorn.Server(self._config)
         self.host = host
         self.port: int | None = None

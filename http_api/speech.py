@@ -45,7 +45,7 @@ class SpeechRequest(BaseModel):
     response_format: str = "mp3"
     speed: float = Field(1.0, strict=True)  # strict: true is not 1.0 (ints are still floats)
     stream_format: Literal["audio", "sse"] = "audio"
-    seed: int | None = Field(None, ge=0, strict=True, description="extension: the same seed gives the same audio")
+    seed: int | None = Field(None, strict=True, description="extension: the same seed gives the same audio (0..2^64-1)")
 
 
 def check_model(backend: Backend, model: str) -> None:

@@ -22,7 +22,7 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from async_cosyvoice.errors import InvalidRequest
+from async_cosyvoice.errors import ClientTimeout, InvalidRequest
 from async_cosyvoice.request import FLUSH, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.tts import default_text_mode
 
@@ -72,10 +72,7 @@ def _options(given: object) -> SynthesisOptions:
         value = given.get(name)
         if value is not None and (type(value) is not kind):
             raise InvalidRequest(f"config.options.{name} must be {kind.__name__}, got {json.dumps(value)}")
-    seed = given.get("seed")
-    if seed is not None and seed < 0:
-        raise InvalidRequest(f"config.options.seed must be >= 0, got {seed}")
-    return SynthesisOptions(stream=True, seed=seed, text_frontend=given.get("text_frontend", True),
+    return SynthesisOptions(stream=True, seed=given.get("seed"), text_frontend=given.get("text_frontend", True),
                             first_hop=given.get("first_hop"))
 
 
@@ -89,7 +86,12 @@ class _Session:
     async def configure(self) -> tuple[SynthesisRequest, str, int, str, str | None]:
         backend, call = self.backend, self.call
         synth = backend.synthesizer()
-        config = await _receive(self.ws)
+        seconds = backend.config.limits.first_message_seconds
+        try:
+            config = await asyncio.wait_for(_receive(self.ws), seconds)
+        except TimeoutError:
+            raise ClientTimeout(f'no {{"type": "config"}} message arrived within {seconds:g} s of the connection '
+                                "(limits.first_message_seconds); send the config first") from None
         if config["type"] != "config":
             raise InvalidRequest(f'the first message must be {{"type": "config", "voice": ...}}, got type '
                                  f'{config["type"]!r}')
@@ -129,7 +131,6 @@ class _Session:
     async def read(self) -> None:
         """Text pieces into the queue until `end`; then only a close is expected. Returns never:
         raises ClientGone on close, InvalidRequest on a bad message."""
-        limit = self.backend.config.limits.max_text_chars
         ended = got_text = False
         while True:
             message = await _receive(self.ws)
@@ -140,10 +141,7 @@ class _Session:
                 text = message.get("text")
                 if not isinstance(text, str):
                     raise InvalidRequest('a text message needs "text": a string')
-                if len(text) > limit:
-                    raise InvalidRequest(f"a text message is {len(text)} characters long; the limit is {limit} "
-                                         "(limits.max_text_chars)")
-                if text:
+                if text:  # its length: the library's rules (limits.max_text_chars, max_stream_text_chars)
                     if not got_text:  # first-chunk latency counts from the first text
                         self.call.clock_start, got_text = time.perf_counter(), True
                     self.pieces.put_nowait(text)

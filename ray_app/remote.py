@@ -103,7 +103,7 @@ class RemoteSynthesizer:
             raise InvalidRequest("text_normalization 'raw' feeds bistream pieces as upstream does; Ray Serve "
                                  "serves sentence mode, which normalizes whole sentences")
         index = offset = tokens = n = 0
-        pieces = checked_pieces(text, self.text_idle_seconds)
+        pieces = checked_pieces(text, self.text_idle_seconds, self.rules)
         async for sentence in complete_sentences(pieces, self.max_sentence_chars):
             segment = dataclasses.replace(request, text=sentence, request_id=f"{request.request_id}.{n}")
             async for chunk in self.synthesize(segment):

@@ -454,7 +454,7 @@ def test_bistream_is_the_default_and_fed_the_normalized_text(synth, prompt):
             yield piece
 
     async def fed(normalizer):
-        return [t async for tokens in s._piece_tokens(checked_pieces(text(), 5.0), TextFed(), normalizer)
+        return [t async for tokens in s._piece_tokens(checked_pieces(text(), 5.0, s.rules), TextFed(), normalizer)
                 for t in tokens]
 
     async def body():

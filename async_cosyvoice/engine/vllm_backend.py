@@ -31,6 +31,7 @@ from ..errors import EngineDead, InvalidRequest, NotReady, Unsupported
 from ..model_dir import ModelDir, load_model_dir
 from ..models.dims import EOS2_TOKEN, FILL_TOKEN, STOP_TOKENS, Qwen2Dims
 from ..models.llm import CosyVoice2LM
+from ..request import derived_seed
 from .base import BistreamRequest, EngineStats, GenerationRequest
 from .bistream import BistreamSchedule, Phase, Verdict
 from .vllm_export import export_for_vllm, input_ids
@@ -299,7 +300,7 @@ class VLLMEngine:
             parts = schedule.next_input()
             if parts is None:
                 return
-            seed = None if request.seed is None else request.seed + sent  # fresh draws per chunk
+            seed = None if request.seed is None else derived_seed(request.seed, 1, sent)  # fresh draws per chunk
             sent += 1
             if schedule.fill_index is None:  # the text ended: decode to EOS
                 params = self.sampling_params(GenerationRequest(

@@ -5,7 +5,10 @@ Everything here reproduces what upstream CosyVoice2 feeds its models (facts shee
 - `load_audio` / `pcm_to_audio`: float32 mono in [-1, 1]; integer PCM is scaled by 1/2^(bits-1)
   (int16 / 32768), multi-channel audio is averaged (upstream `load_wav`).
 - `resample`: band-limited sinc interpolation with a Hann window, 6 zero crossings, rolloff
-  0.99 and a gcd-reduced polyphase kernel (torchaudio `Resample` defaults, which upstream uses).
+  0.99 and a gcd-reduced polyphase kernel (torchaudio `Resample` defaults, which upstream uses),
+  bit for bit, for every rate pair whose kernel is small (all the usual rates); a rate pair whose
+  gcd is small (16001 Hz -> 16 kHz: a 16000 x 16015 kernel) goes through soxr instead, so
+  resampling costs bounded memory and time whatever the rate.
 - `whisper_log_mel`: 128-bin log-mel at 16 kHz for `speech_tokenizer_v2.onnx`.
 - `kaldi_fbank`: 80-bin Kaldi fbank at 16 kHz for `campplus.onnx`.
 - `prompt_mel_24k`: the 80-bin prompt mel at 24 kHz (yaml `feat_extractor`) for the flow.
@@ -25,6 +28,7 @@ from typing import BinaryIO, Union
 import av
 import numpy as np
 import soundfile as sf
+import soxr
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +39,11 @@ from ..request import Audio
 AudioSource = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO]
 
 MIN_PROMPT_SAMPLE_RATE = 16000  # upstream refuses to resample from anything lower
+MAX_PROMPT_SAMPLE_RATE = 192000  # the highest rate of common audio hardware; anything above is not a recording
+# The exact polyphase path builds an up x (2 width + down) kernel: 4 MiB of float32 at most (all the
+# usual rates need < 1.2 MiB); the cache of kernels holds KERNEL_CACHE_BYTES at most.
+MAX_EXACT_KERNEL_ELEMENTS = 1 << 20
+KERNEL_CACHE_BYTES = 64 << 20
 
 
 class AudioError(InvalidRequest):
@@ -172,7 +181,9 @@ def _describe(source) -> str:
 def resample(x, sr_in: int, sr_out: int) -> np.ndarray:
     """Resample 1-D audio from `sr_in` to `sr_out` Hz (windowed-sinc, torchaudio defaults).
 
-    Output length is ceil(len(x) * sr_out / sr_in). Equal rates return the input unchanged.
+    Output length is ceil(len(x) * sr_out / sr_in). Equal rates return the input unchanged. A rate
+    pair whose exact kernel would exceed MAX_EXACT_KERNEL_ELEMENTS is resampled by soxr (VHQ): the
+    same band limit within 0.1 dB, in memory linear in the audio.
     """
     if int(sr_in) != sr_in or int(sr_out) != sr_out or sr_in <= 0 or sr_out <= 0:
         raise AudioError(f"sample rates must be positive integers, got {sr_in} -> {sr_out}")
@@ -181,24 +192,44 @@ def resample(x, sr_in: int, sr_out: int) -> np.ndarray:
         return x.numpy()
     g = math.gcd(int(sr_in), int(sr_out))
     up, down = int(sr_out) // g, int(sr_in) // g  # output phases / input stride per period
+    n_out = math.ceil(up * x.shape[0] / down)
+    if exact_kernel_elements(down, up) > MAX_EXACT_KERNEL_ELEMENTS:
+        return _soxr_resample(x.numpy(), int(sr_in), int(sr_out), n_out)
     kernel, width = _sinc_kernel(down, up)
-    n = x.shape[0]
     padded = F.pad(x[None, None], (width, width + down))
     y = F.conv1d(padded, kernel, stride=down)  # (1, up, periods): phase-major
     y = y[0].t().reshape(-1)
-    return y[: math.ceil(up * n / down)].numpy()
+    return y[:n_out].numpy()
 
 
-@functools.lru_cache(maxsize=32)
+def exact_kernel_elements(down: int, up: int, zero_crossings: int = 6, rolloff: float = 0.99) -> int:
+    """Taps of the exact polyphase kernel for a gcd-reduced rate pair (what `_sinc_kernel` builds)."""
+    return up * (2 * _kernel_width(down, up, zero_crossings, rolloff) + down)
+
+
+def _kernel_width(down: int, up: int, zero_crossings: int, rolloff: float) -> int:
+    return math.ceil(zero_crossings * down / (min(down, up) * rolloff))
+
+
+def _soxr_resample(x: np.ndarray, sr_in: int, sr_out: int, n_out: int) -> np.ndarray:
+    y = soxr.resample(x, sr_in, sr_out, quality="VHQ")
+    if len(y) >= n_out:
+        return np.ascontiguousarray(y[:n_out], dtype=np.float32)
+    return np.concatenate([y, np.zeros(n_out - len(y), np.float32)]).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=KERNEL_CACHE_BYTES // (4 * MAX_EXACT_KERNEL_ELEMENTS))
 def _sinc_kernel(down: int, up: int, zero_crossings: int = 6, rolloff: float = 0.99):
     """Polyphase kernel (up, 1, 2*width+down) for a gcd-reduced rate pair, and its half width.
 
     Phase j produces output sample j of every period of `down` input samples; its taps are a
     Hann-windowed sinc with cutoff rolloff*min(up, down)/2 cycles per (reduced) sample. Built in
-    float64 and rounded to float32 as torchaudio does, so the taps match it bit for bit.
+    float64 and rounded to float32 as torchaudio does, so the taps match it bit for bit. Only
+    kernels of at most MAX_EXACT_KERNEL_ELEMENTS are built, so the cache holds at most
+    KERNEL_CACHE_BYTES.
     """
     cutoff = min(down, up) * rolloff
-    width = math.ceil(zero_crossings * down / cutoff)
+    width = _kernel_width(down, up, zero_crossings, rolloff)
     taps = torch.arange(-width, width + down, dtype=torch.float64)[None, None] / down
     phases = torch.arange(0, -up, -1)[:, None, None] / up  # float32, as in torchaudio
     t = (phases + taps) * cutoff
@@ -210,14 +241,21 @@ def _sinc_kernel(down: int, up: int, zero_crossings: int = 6, rolloff: float = 0
     return kernel, width
 
 
-def audio_at_rate(audio: Audio, sample_rate: int, min_sample_rate: int = MIN_PROMPT_SAMPLE_RATE) -> np.ndarray:
+def check_sample_rate(sample_rate: int, what: str = "prompt audio") -> None:
+    """The input rates prompt and source audio may have: MIN_PROMPT_SAMPLE_RATE..MAX_PROMPT_SAMPLE_RATE."""
+    if sample_rate < MIN_PROMPT_SAMPLE_RATE:
+        raise AudioError(f"{what} sample rate {sample_rate} Hz is too low: at least "
+                         f"{MIN_PROMPT_SAMPLE_RATE} Hz is needed (the model was trained on >= 16 kHz audio)")
+    if sample_rate > MAX_PROMPT_SAMPLE_RATE:
+        raise AudioError(f"{what} sample rate {sample_rate} Hz is too high: at most {MAX_PROMPT_SAMPLE_RATE} Hz")
+
+
+def audio_at_rate(audio: Audio, sample_rate: int) -> np.ndarray:
     """`audio`'s samples at `sample_rate` (upstream `load_wav`): resampled when the rate
-    differs, which needs a source rate of at least `min_sample_rate` (16 kHz)."""
+    differs, which needs a source rate in MIN_PROMPT_SAMPLE_RATE..MAX_PROMPT_SAMPLE_RATE."""
     if audio.sample_rate == sample_rate:
         return np.asarray(audio.samples, dtype=np.float32)
-    if audio.sample_rate < min_sample_rate:
-        raise AudioError(f"prompt audio sample rate {audio.sample_rate} Hz is too low: at least "
-                         f"{min_sample_rate} Hz is needed (the model was trained on >= 16 kHz audio)")
+    check_sample_rate(audio.sample_rate)
     return resample(audio.samples, audio.sample_rate, sample_rate)
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..models.flow.prefix import FlowState
 from ..models.hift import NSFNoise
-from ..request import ChunkTiming
+from ..request import ChunkTiming, derived_seed
 from .carry import CausalCarry, CrossfadeCarry, VocoderCarry, crossfade
 from .schedule import ChunkSchedule, adaptive_hop
 from .state_pool import SlotLease
@@ -209,4 +209,4 @@ def request_noise(seed: int | None, segment: int, device: torch.device | str = "
     and CUDA generators draw different numbers. None: a random seed."""
     if seed is None:
         return NSFNoise.random(torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, ()).item())))
-    return NSFNoise.random(torch.Generator(device=device).manual_seed(seed * 1000 + segment))
+    return NSFNoise.random(torch.Generator(device=device).manual_seed(derived_seed(seed, 1000, segment)))
