@@ -149,6 +149,13 @@ class LimitsConfig(_Section):
     max_stream_text_chars: int = Field(20000, ge=1)  # all the pieces of one text stream together
     max_prompt_seconds: float = Field(30.0, gt=0)
     max_forced_tokens: int = Field(3000, ge=1)  # SynthesisOptions.max_tokens (benchmarks)
+    # the admission bound of a request (async_cosyvoice/cost.py): over max_request_bytes it is refused
+    # (RESOURCE_EXHAUSTED / 413); the bounds of running requests share memory_budget_bytes (None: no
+    # budget), a request that does not fit waits up to admission_wait_seconds, then is shed (429).
+    # max_request_bytes None: the token2wav device's memory (CUDA), or the host's RAM
+    max_request_bytes: int | None = Field(None, ge=1)
+    memory_budget_bytes: int | None = Field(None, ge=1)
+    admission_wait_seconds: float = Field(10.0, ge=0)
     max_message_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     max_source_seconds: float = Field(120.0, gt=0)  # vc source audio
     text_idle_seconds: float = Field(30.0, gt=0)  # a text stream that sends nothing for this long is ended

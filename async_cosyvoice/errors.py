@@ -35,6 +35,11 @@ class Overloaded(CosyVoiceError):
     """Too many concurrent requests. -> RESOURCE_EXHAUSTED"""
 
 
+class TooLarge(CosyVoiceError):
+    """A request whose memory bound (cost.py) is over limits.max_request_bytes or the whole
+    limits.memory_budget_bytes: it can never run here, so retrying does not help. -> RESOURCE_EXHAUSTED / 413"""
+
+
 class Unsupported(CosyVoiceError):
     """A valid request this model or configuration cannot serve. -> FAILED_PRECONDITION"""
 
@@ -95,6 +100,7 @@ ERROR_STATUSES: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (SpeakerCorrupt, ErrorStatus("DATA_LOSS", 500, "server_error", "data_loss")),
     (TextTimeout, ErrorStatus("DEADLINE_EXCEEDED", 408, "invalid_request_error", "text_timeout")),
     (ClientTimeout, ErrorStatus("DEADLINE_EXCEEDED", 408, "invalid_request_error", "timeout")),
+    (TooLarge, ErrorStatus("RESOURCE_EXHAUSTED", 413, "invalid_request_error", "request_too_large")),
     (Overloaded, ErrorStatus("RESOURCE_EXHAUSTED", 429, "rate_limit_error", "overloaded")),
     (StoreUnavailable, ErrorStatus("UNAVAILABLE", 503, "server_error", "store_unavailable")),
     (NotReady, ErrorStatus("UNAVAILABLE", 503, "server_error", "unavailable")),

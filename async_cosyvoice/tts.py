@@ -20,11 +20,12 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Callable, Iterator, Literal
+from typing import AsyncIterable, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 import torch
 
 from .config import Config
+from .cost import audio_bytes, device_memory, utterance_bytes
 from .demo import resolve_model_dir
 from .devices import check_device
 from .engine import create_engine
@@ -50,6 +51,7 @@ from .frontend.sentences import complete_sentences
 from .frontend.stream_text import StreamTextNormalizer
 from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
+from .limiter import MemoryBudget
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
 from .model_speakers import with_model_speakers
@@ -126,6 +128,9 @@ class Synthesizer:
                  engine: SpeechTokenEngine, batcher: Token2WavBatcher):
         self.config = config
         self.rules = RequestRules.from_config(config)
+        lim = config.limits
+        self.budget = MemoryBudget(lim.max_request_bytes or device_memory(config.model.device),
+                                   lim.memory_budget_bytes, lim.admission_wait_seconds)
         self.model_dir = model_dir
         self.models = models
         self.dims = model_dir.dims
@@ -333,20 +338,43 @@ class Synthesizer:
         """Chunks of every text segment in order; the last one has is_final set."""
         request = self.rules.check(request)
         inputs = await self.model_inputs(request, voice or await self.prepare_voice(request))
-        playback = Playback(time.monotonic(), self.sample_rate)
-        t2w = self.config.token2wav
-        if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
-            def make(i: int, own: Playback) -> Utterance:
-                return self._utterance(request, inputs[i], i, own, last=i == len(inputs) - 1)
-            async with contextlib.aclosing(segments_at_once(make, len(inputs), playback,
-                                                            t2w.offline_segments_ahead)) as chunks:
-                async for chunk in chunks:
+        async with self.budget.reserve(self.request_bytes(request, inputs)):
+            playback = Playback(time.monotonic(), self.sample_rate)
+            t2w = self.config.token2wav
+            if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
+                def make(i: int, own: Playback) -> Utterance:
+                    return self._utterance(request, inputs[i], i, own, last=i == len(inputs) - 1)
+                async with contextlib.aclosing(segments_at_once(make, len(inputs), playback,
+                                                                t2w.offline_segments_ahead)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                return
+            for i, model_input in enumerate(inputs):
+                utterance = self._utterance(request, model_input, i, playback, last=i == len(inputs) - 1)
+                async for chunk in utterance.run():
                     yield chunk
-            return
-        for i, model_input in enumerate(inputs):
-            utterance = self._utterance(request, model_input, i, playback, last=i == len(inputs) - 1)
-            async for chunk in utterance.run():
-                yield chunk
+
+    def request_bytes(self, request: SynthesisRequest, inputs: Sequence[ModelInput], *,
+                      streamed_text: bool = False) -> int:
+        """The admission bound of a checked request (cost.py). streamed_text: a text stream, whose
+        speech tokens are bounded only by max_tokens or the engine's max_model_len."""
+        opts, t2w = request.options, self.config.token2wav
+        max_len = self.config.engine.max_model_len
+
+        def speech_tokens(model_input: ModelInput) -> int:
+            if not model_input.spec.runs_lm:
+                return len(model_input.source_speech_token)
+            if opts.max_tokens is not None:
+                return opts.max_tokens
+            if streamed_text:
+                return max_len
+            return min(max_len, int(len(model_input.text) * self.dims.lm.max_token_text_ratio))
+
+        dtype = getattr(torch, self.config.model.flow_dtype)
+        each = sorted((utterance_bytes(self.dims, len(m.flow_prompt_speech_token), speech_tokens(m), dtype,
+                                       t2w.flow_cache, t2w.flow_cache_max_tokens) for m in inputs), reverse=True)
+        at_once = t2w.offline_segments_ahead if not opts.stream and t2w.offline else 1
+        return sum(each[:at_once]) + audio_bytes(request.prompt_audio) + audio_bytes(request.source_audio)
 
     async def model_inputs(self, request: SynthesisRequest, voice: Voice) -> list[ModelInput]:
         """What the LM and the flow receive for each text segment of a checked request."""
@@ -395,6 +423,17 @@ class Synthesizer:
                                  "normalizes whole sentences (options.text_frontend=false skips that)")
         voice = await self.prepare_voice(request)
         instruction = await self._in_cpu(self._instruction_tokens, request)
+        first = build_model_input(request.mode, voice, instruction_tokens=instruction)
+        async with self.budget.reserve(self.request_bytes(request, [first], streamed_text=True)):
+            async with contextlib.aclosing(self._stream_chunks(text, request, mode, normalization, voice,
+                                                               instruction)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _stream_chunks(self, text: AsyncIterable[str | object], request: SynthesisRequest, mode: TextMode,
+                             normalization: TextNormalization, voice: Voice,
+                             instruction: list[int]) -> AsyncIterator[AudioChunk]:
+        """synthesize_stream's chunks, once the request is admitted."""
         pieces = checked_pieces(text, self.config.limits.text_idle_seconds, self.rules)
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":

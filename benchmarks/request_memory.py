@@ -5,9 +5,11 @@
     # one synthesis of N forced speech tokens on the tiny fixture (CPU), streamed and not
     python benchmarks/request_memory.py synth --model-dir ../shared/fixtures/cosyvoice2-tiny --tokens 500 1500 3000
 
-Each case runs in its own `python -c` child; the numbers are the child's RSS after start-up
-(imports, model loaded) and its peak RSS (`ru_maxrss`), so `peak - base` is what the request
-cost. `--json PATH` writes the rows.
+Each case runs in its own `python -c` child (run this from the repository root: the child imports
+the package from there); the numbers are the child's RSS after start-up (imports, model loaded)
+and its peak RSS (`ru_maxrss`), so `peak - base` is what the request cost; `bound_mb` is the
+request's admission bound (async_cosyvoice/cost.py). The child fixes glibc's mmap threshold at
+1 MiB as the server does. `--json PATH` writes the rows.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ _RESAMPLE = _RSS + textwrap.dedent("""
 _SYNTH = _RSS + textwrap.dedent("""
     import asyncio, torch
     from async_cosyvoice.config import Config
+    from async_cosyvoice.heap import fix_mmap_threshold
+    fix_mmap_threshold(1 << 20)  # as the server's entry point does (server.heap_mmap_threshold_kib)
     from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
     from async_cosyvoice.tts import SyncSynthesizer
     config = Config.model_validate({{"model": {{"dir": {model_dir!r}}}, "speakers": {{"dir": {spk_dir!r}}},
@@ -65,8 +69,10 @@ _SYNTH = _RSS + textwrap.dedent("""
             samples += len(chunk.samples)
     except Exception as e:
         status = type(e).__name__ + ": " + str(e)[:160]
+    from async_cosyvoice.cost import utterance_bytes
+    bound = utterance_bytes(synth.synth.dims, 0, {tokens}, torch.float32)  # the admission bound (sft: no prompt)
     print({{"case": "synth", "tokens": {tokens}, "stream": {stream}, "base_mb": round(base),
-            "peak_mb": round(peak_mb()), "wall_s": round(time.perf_counter() - t0, 2),
+            "peak_mb": round(peak_mb()), "bound_mb": round(bound / 2**20), "wall_s": round(time.perf_counter() - t0, 2),
             "audio_s": round(samples / 24000, 2), "status": status}})
     synth.close()
 """)
