@@ -69,10 +69,13 @@ _SYNTH = _RSS + textwrap.dedent("""
             samples += len(chunk.samples)
     except Exception as e:
         status = type(e).__name__ + ": " + str(e)[:160]
-    from async_cosyvoice.cost import utterance_bytes
-    bound = utterance_bytes(synth.synth.dims, 0, {tokens}, torch.float32)  # the admission bound (sft: no prompt)
+    try:  # the admission bound (sft: no prompt); absent before issue 26
+        from async_cosyvoice.cost import utterance_bytes
+        bound = utterance_bytes(synth.synth.dims, 0, {tokens}, torch.float32)
+    except ImportError:
+        bound = float("nan")
     print({{"case": "synth", "tokens": {tokens}, "stream": {stream}, "base_mb": round(base),
-            "peak_mb": round(peak_mb()), "bound_mb": round(bound / 2**20), "wall_s": round(time.perf_counter() - t0, 2),
+            "peak_mb": round(peak_mb()), "bound_mb": bound / 2**20 // 1, "wall_s": round(time.perf_counter() - t0, 2),
             "audio_s": round(samples / 24000, 2), "status": status}})
     synth.close()
 """)
