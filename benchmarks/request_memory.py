@@ -73,9 +73,9 @@ _SYNTH = _RSS + textwrap.dedent("""
         from async_cosyvoice.cost import utterance_bytes
         bound = utterance_bytes(synth.synth.dims, 0, {tokens}, torch.float32)
     except ImportError:
-        bound = float("nan")
+        bound = None
     print({{"case": "synth", "tokens": {tokens}, "stream": {stream}, "base_mb": round(base),
-            "peak_mb": round(peak_mb()), "bound_mb": bound / 2**20 // 1, "wall_s": round(time.perf_counter() - t0, 2),
+            "peak_mb": round(peak_mb()), "bound_mb": None if bound is None else round(bound / 2**20), "wall_s": round(time.perf_counter() - t0, 2),
             "audio_s": round(samples / 24000, 2), "status": status}})
     synth.close()
 """)
