@@ -6,9 +6,10 @@ token2wav device (the host too, on CPU):
 - its exact flow state, `state_nbytes(P + N)` (token2wav/flow_cache.py), while the flow cache is on
   (capped by token2wav.flow_cache_max_tokens);
 - its final, full-attention flow call over F = 2 (P + N) mel frames: activations linear in F, the
-  estimator's (2, 1, F, F) additive attention bias and bool mask (5 bytes per frame pair: the one
-  quadratic term left), and the encoder's position scores, computed in query blocks of
-  ATTENTION_BLOCK_ELEMENTS (models/flow/encoder.py);
+  estimator's (2, 1, F, F) additive attention bias, bool mask and the attention's float scores
+  (9 bytes per frame pair: the one quadratic term left; measured 3000 tokens on the tiny model on
+  CPU: 1002 MiB for the whole request, this bound 1216 MiB), and the encoder's position scores,
+  computed in query blocks of ATTENTION_BLOCK_ELEMENTS (models/flow/encoder.py);
 - its audio, N x samples per token of float32, twice (HiFT's output and the chunks).
 
 Plus, on the host, the prompt audio decoded and resampled to 16 and 24 kHz. N is `max_tokens` when
@@ -47,7 +48,7 @@ def utterance_bytes(dims: ModelDims, prompt_tokens: int, speech_tokens: int, flo
     # feed-forward) and the encoder's layer activations, a few alive at once
     per_frame = FLOAT * (2 * (est.in_channels + 8 * est.channels[0] + 6 * est.num_heads * est.attention_head_dim)
                          + 8 * enc.output_size + 4 * enc.linear_units)
-    quadratic = 2 * frames * frames * (FLOAT + 1)
+    quadratic = 2 * frames * frames * (FLOAT + 1 + FLOAT)
     encoder_blocks = 3 * FLOAT * ATTENTION_BLOCK_ELEMENTS
     audio = 2 * FLOAT * speech_tokens * dims.samples_per_token
     return cached + per_frame * frames + quadratic + encoder_blocks + audio
