@@ -3,8 +3,9 @@
 An utterance (one text segment) of P prompt tokens and at most N speech tokens holds on the
 token2wav device (the host too, on CPU):
 
-- its exact flow state, `state_nbytes(P + N)` (token2wav/flow_cache.py), while the flow cache is on
-  (capped by token2wav.flow_cache_max_tokens);
+- its exact flow state, `state_nbytes(P + N)` (token2wav/flow_cache.py), while the flow cache keeps
+  it per stream (capped by token2wav.flow_cache_max_tokens; in the slot pool, flow_cache_slots, the
+  state lives in memory allocated at start);
 - its final, full-attention flow call over F = 2 (P + N) mel frames: activations linear in F, the
   estimator's (2, 1, F, F) additive attention bias, bool mask and the attention's float scores
   (9 bytes per frame pair: the one quadratic term left; measured 3000 tokens on the tiny model on

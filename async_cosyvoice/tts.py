@@ -372,7 +372,8 @@ class Synthesizer:
 
         dtype = getattr(torch, self.config.model.flow_dtype)
         each = sorted((utterance_bytes(self.dims, len(m.flow_prompt_speech_token), speech_tokens(m), dtype,
-                                       t2w.flow_cache, t2w.flow_cache_max_tokens) for m in inputs), reverse=True)
+                                       t2w.flow_cache and t2w.flow_cache_slots is None, t2w.flow_cache_max_tokens)
+                       for m in inputs), reverse=True)
         at_once = t2w.offline_segments_ahead if not opts.stream and t2w.offline else 1
         return sum(each[:at_once]) + audio_bytes(request.prompt_audio) + audio_bytes(request.source_audio)
 
