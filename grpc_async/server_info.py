@@ -36,7 +36,9 @@ def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
         limits=pb2.ServerLimits(
             max_concurrent_streams=limits.max_concurrent_streams, max_text_chars=limits.max_text_chars,
             max_prompt_seconds=limits.max_prompt_seconds, max_source_seconds=limits.max_source_seconds,
-            max_forced_tokens=limits.max_forced_tokens, max_message_bytes=limits.max_message_bytes),
+            max_forced_tokens=limits.max_forced_tokens, max_message_bytes=limits.max_message_bytes,
+            max_stream_text_chars=limits.max_stream_text_chars, first_message_seconds=limits.first_message_seconds,
+            max_request_bytes=limits.max_request_bytes or 0),
         engine=config.engine.kind,
         bistream=synth is not None and synth.supports_bistream,
         default_text_mode=(pb2.TEXT_MODE_UNSPECIFIED if synth is None else

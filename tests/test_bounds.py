@@ -156,6 +156,12 @@ def test_odd_and_absurd_prompt_rates_on_http(server):
 # 2. A cost bound before a request runs: refused over limits.max_request_bytes, waits or sheds
 
 
+def test_server_info_reports_the_new_limits(server, max_request_bytes):
+    limits = grpc_call(server, lambda stub: stub.GetServerInfo(pb2.GetServerInfoRequest())).limits
+    assert (limits.max_stream_text_chars, limits.first_message_seconds, limits.max_request_bytes) == (
+        MAX_STREAM_TEXT, FIRST_MESSAGE, max_request_bytes)
+
+
 def test_request_over_the_memory_bound_is_refused_before_it_runs_grpc(server):
     def options(n):
         return pb2.SynthesisOptions(stream=True, seed=1, max_tokens=n)
