@@ -75,7 +75,8 @@ _SYNTH = _RSS + textwrap.dedent("""
     except ImportError:
         bound = None
     print({{"case": "synth", "tokens": {tokens}, "stream": {stream}, "base_mb": round(base),
-            "peak_mb": round(peak_mb()), "bound_mb": None if bound is None else round(bound / 2**20), "wall_s": round(time.perf_counter() - t0, 2),
+            "peak_mb": round(peak_mb()), "bound_mb": None if bound is None else round(bound / 2**20),
+            "wall_s": round(time.perf_counter() - t0, 2),
             "audio_s": round(samples / 24000, 2), "status": status}})
     synth.close()
 """)
