@@ -14,11 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Iterator, Literal
 
@@ -37,17 +35,13 @@ from .engine.base import (
 )
 from .errors import (
     InvalidRequest,
-    SpeakerExists,
     SpeakerNotFound,
     TextTimeout,
     Unsupported,
 )
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
-from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
 from .frontend.stream_text import StreamTextNormalizer
-from .frontend.text import TextFrontend
-from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
 from .models.dims import RASParams
@@ -60,9 +54,8 @@ from .request import (
     SynthesisRequest,
     Voice,
 )
-from .rules import ENDOFPROMPT, RequestRules
-from .speaker_store import open_speaker_store
-from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
+from .request_front import RequestFront
+from .speakers import SpeakerRecord, SpeakerStoreBase
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule
 from .token2wav.batcher import Token2WavBatcher
@@ -113,26 +106,33 @@ class Synthesizer:
     event loop only routes. Closing a synthesis iterator (or cancelling its task) aborts the LM
     request and drops its pending chunk jobs."""
 
-    def __init__(self, *, config: Config, model_dir: ModelDir, models: Models, tokenizer: TextTokenizer,
-                 text_frontend: TextFrontend, prompt_encoder: PromptEncoder, speakers: SpeakerStoreBase,
+    def __init__(self, *, config: Config, model_dir: ModelDir, models: Models, front: RequestFront,
                  engine: SpeechTokenEngine, batcher: Token2WavBatcher):
         self.config = config
-        self.rules = RequestRules.from_config(config)
+        self.front = front
+        self.rules = front.rules
         self.model_dir = model_dir
         self.models = models
         self.dims = model_dir.dims
         self.sample_rate = self.dims.sample_rate
-        self.tokenizer = tokenizer
-        self.text_frontend = text_frontend
-        self.prompt_encoder = prompt_encoder
-        self.speakers = speakers
+        self.tokenizer = front.tokenizer
+        self.text_frontend = front.text_frontend
+        self.prompt_encoder = front.prompt_encoder
         self.engine = engine
         self.batcher = batcher
         self.ready = False
-        self._cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend")
-        self.warming = Warmup(config, speakers, self.sample_rate, max_tokens=min(40, self.rules.max_forced_tokens),
-                              capture=batcher.capture_graphs)
+        self.warming = Warmup(config, front.speakers, self.sample_rate,
+                              max_tokens=min(40, self.rules.max_forced_tokens), capture=batcher.capture_graphs)
         self._engine_serial = itertools.count()  # see _engine_request_id
+
+    @property
+    def speakers(self) -> SpeakerStoreBase:
+        return self.front.speakers
+
+    @speakers.setter
+    def speakers(self, store: SpeakerStoreBase) -> None:  # placement's replicas share one store
+        self.front.speakers = store
+        self.warming.speakers = store
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -159,21 +159,10 @@ class Synthesizer:
         # Flow and HiFT belong to the token2wav stage (token2wav_worker), loaded there.
         models = build_models(model_dir, device=device, llm_dtype=getattr(torch, config.model.llm_dtype),
                               with_llm=config.engine.kind == "native", with_token2wav=False)
-        tokenizer = model_dir.tokenizer()
-        try:
-            text_frontend = TextFrontend(tokenizer)
-        except ImportError as e:
-            log.warning("wetext is not importable (%s): text normalization runs without it "
-                        "(upstream's behaviour when no normalizer is installed)", e)
-            text_frontend = TextFrontend(tokenizer, use_wetext=False)
-        text_frontend.preload()
-        prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
-        speakers = open_speaker_store(config.speakers)
+        front = RequestFront.load(config, model_dir)
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
-        return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
-                   text_frontend=text_frontend, prompt_encoder=prompt_encoder, speakers=speakers,
-                   engine=engine, batcher=batcher)
+        return cls(config=config, model_dir=model_dir, models=models, front=front, engine=engine, batcher=batcher)
 
     async def warmup(self, rounds: int = 1) -> None:
         """Before SERVING: every stage once, where shapes are captured every batch size for the
@@ -229,7 +218,7 @@ class Synthesizer:
         self.ready = False
         await self.engine.stop()
         await self.batcher.close()
-        self._cpu.shutdown(wait=False, cancel_futures=True)
+        self.front.close()
 
     def engine_stats(self) -> EngineStats:
         return self.engine.stats()
@@ -244,44 +233,19 @@ class Synthesizer:
         return self.engine.supports_bistream
 
     async def _in_cpu(self, fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args, **kwargs))
+        return await self.front.in_cpu(fn, *args, **kwargs)
 
     # -- voices -----------------------------------------------------------------------------------
 
     async def prepare_voice(self, request: SynthesisRequest) -> Voice:
-        """The request's voice, resolved once: its prompt audio encoded (with the normalised
-        transcript where the mode uses one) or a stored speaker. Every mode takes a prepared voice."""
-        spec = MODE_SPECS[request.mode]
-        if spec.voice == "speaker":
-            voice = (await self._in_cpu(self.speakers.get, request.speaker_id)).voice
-            if spec.flow_prompt and voice.kind == "sft":
-                raise Unsupported(f"speaker {request.speaker_id!r} is an embedding-only (sft) speaker; "
-                                  f"mode {request.mode.value} needs a zero-shot speaker")
-            return voice if spec.flow_prompt else Voice.embedding_only(voice.embedding)
-        # VC too gets the aligned prompt (upstream's frontend_vc skips the alignment, which makes
-        # the flow's output length depend on the prompt's mel/token mismatch)
-        if spec.lm_prompt_text == "transcript":
-            return await self._in_cpu(self._encode_voice, request.prompt_audio, request.prompt_text,
-                                      request.options.text_frontend)
-        return await self._in_cpu(self.prompt_encoder.encode, request.prompt_audio)
-
-    def _encode_voice(self, audio: Audio, transcript: str, text_frontend: bool = True) -> Voice:
-        """CPU pool: prompt audio + its transcript -> a zero-shot voice."""
-        text = self.text_frontend.normalize(transcript, split=False, enabled=text_frontend)
-        return self.prompt_encoder.encode(audio).with_transcript(text, self.tokenizer.encode(text))
+        """The request's voice, resolved once (RequestFront.prepare_voice)."""
+        return await self.front.prepare_voice(request)
 
     async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio,
                                overwrite: bool = False) -> SpeakerRecord:
-        """Compute and store a zero-shot speaker (tokens, 24 kHz mel, embedding, transcript tokens),
-        then `prepare_speaker`: it returns once the speaker's first request would pay for nothing
-        that can be done ahead."""
-        validate_speaker_id(speaker_id)
-        self.rules.check_text(prompt_text, "prompt_text")
-        self.rules.check_prompt(audio, "prompt_audio")
-        if not overwrite and await self._in_cpu(self.speakers.exists, speaker_id):
-            raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
-        record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text))
-        await self._in_cpu(self.speakers.put, record, overwrite)
+        """Compute and store a zero-shot speaker (RequestFront.new_speaker), then `prepare_speaker`:
+        it returns once the speaker's first request would pay for nothing that can be done ahead."""
+        record = await self.front.new_speaker(speaker_id, prompt_text, audio, overwrite)
         try:
             await self.prepare_speaker(record)
         except Exception as e:  # noqa: BLE001 — stored and usable: its first request does what this could not
@@ -317,6 +281,13 @@ class Synthesizer:
         """Chunks of every text segment in order; the last one has is_final set."""
         request = self.rules.check(request)
         inputs = await self.model_inputs(request, voice or await self.prepare_voice(request))
+        async with contextlib.aclosing(self.speak(request, inputs)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def speak(self, request: SynthesisRequest, inputs: list[ModelInput]) -> AsyncIterator[AudioChunk]:
+        """A checked request's model inputs (`model_inputs`) -> its chunks: the devices' part of
+        `synthesize`, which a device worker process runs for the server's front (worker_pool.py)."""
         playback = Playback(time.monotonic(), self.sample_rate)
         t2w = self.config.token2wav
         if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
@@ -334,21 +305,14 @@ class Synthesizer:
 
     async def model_inputs(self, request: SynthesisRequest, voice: Voice) -> list[ModelInput]:
         """What the LM and the flow receive for each text segment of a checked request."""
-        if not MODE_SPECS[request.mode].runs_lm:
-            source = await self._in_cpu(self.prompt_encoder.source_tokens, request.source_audio)
-            return [build_model_input(request.mode, voice, source_speech_tokens=source)]
-        segments = await self._in_cpu(self._text_segments, request.text, request.options.text_frontend)
-        if not segments:
-            raise InvalidRequest("text has nothing to speak after normalization (only punctuation?)")
-        instruction = await self._in_cpu(self._instruction_tokens, request)
-        return [build_model_input(request.mode, voice, text_tokens=t, instruction_tokens=instruction)
-                for t in segments]
+        return await self.front.model_inputs(request, voice)
 
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
-                                text_mode: TextMode | None = None,
-                                text_normalization: TextNormalization | None = None) -> AsyncIterator[AudioChunk]:
+                                text_mode: TextMode | None = None, text_normalization: TextNormalization | None = None,
+                                voice: Voice | None = None) -> AsyncIterator[AudioChunk]:
         """Text that arrives in pieces (a token, a word, a sentence) -> chunks. The voice and
-        options come from `request` (its text stays empty); the voice is prepared once.
+        options come from `request` (its text stays empty); the voice is prepared once (or given:
+        `prepare_voice`'s, as a device worker gets it from the server's front).
 
         text_mode "bistream" (the default where the engine `supports_bistream`): one LM request
         for the whole stream, fed the text's tokens as they arrive (CosyVoice2's bistream mode:
@@ -377,8 +341,8 @@ class Synthesizer:
         if normalization == "raw" and mode == "sentence":
             raise InvalidRequest("text_normalization 'raw' feeds bistream pieces as upstream does; sentence mode "
                                  "normalizes whole sentences (options.text_frontend=false skips that)")
-        voice = await self.prepare_voice(request)
-        instruction = await self._in_cpu(self._instruction_tokens, request)
+        voice = voice or await self.prepare_voice(request)
+        instruction = await self._in_cpu(self.front.instruction_tokens, request)
         pieces = checked_pieces(text, self.config.limits.text_idle_seconds)
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
@@ -398,7 +362,7 @@ class Synthesizer:
             while (item := await sentences.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                segments = await self._in_cpu(self._text_segments, item, request.options.text_frontend)
+                segments = await self._in_cpu(self.front.text_segments, item, request.options.text_frontend)
                 for tokens in segments:
                     model_input = build_model_input(request.mode, voice, text_tokens=tokens,
                                                     instruction_tokens=instruction)
@@ -466,19 +430,6 @@ class Synthesizer:
             raise
         except BaseException as e:  # noqa: B036 - handed to the consumer
             sentences.put_nowait(e)
-
-    def _text_segments(self, text: str, text_frontend: bool) -> list[list[int]]:
-        """CPU pool: normalise + split + tokenize."""
-        segments = self.text_frontend.normalize(text, split=True, enabled=text_frontend)
-        return [self.tokenizer.encode(s) for s in segments if s.strip()]
-
-    def _instruction_tokens(self, request: SynthesisRequest) -> list[int]:
-        if MODE_SPECS[request.mode].lm_prompt_text != "instruction":
-            return []
-        instruction = request.instruct_text
-        if ENDOFPROMPT not in instruction:  # upstream HEAD requires the caller to add it
-            instruction += ENDOFPROMPT
-        return self.tokenizer.encode(instruction)
 
     def _utterance(self, request: SynthesisRequest, model_input: ModelInput, segment: int, playback: Playback,
                    *, last: bool, text_tokens: AsyncIterator[list[int]] | None = None,
