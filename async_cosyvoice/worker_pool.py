@@ -68,6 +68,7 @@ class DeviceWorker:
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restarter: asyncio.Task | None = None
+        self._serving = asyncio.Event()
 
     def __repr__(self) -> str:
         return f"worker {self.index} on {self.device}"
@@ -112,7 +113,12 @@ class DeviceWorker:
         threading.Thread(target=self._read, args=(conn, process, self._generation),
                          name=f"worker-{self.index}-reader", daemon=True).start()
         self.state = "serving"
+        self._serving.set()
         log.info("%s serves (process %d)", self, process.pid)
+
+    async def wait_serving(self) -> None:
+        """Returns once the worker serves (at once if it does)."""
+        await self._serving.wait()
 
     async def close(self) -> None:
         self.state = "closed"
@@ -168,6 +174,7 @@ class DeviceWorker:
         log.critical("%s: its %d request(s) get UNAVAILABLE; the other workers serve on; restarting it",
                      reason, len(self._inboxes))
         self.state = "restarting"
+        self._serving.clear()
         error = NotReady(f"{reason}; retry")
         for inbox in self._inboxes.values():
             inbox.put_nowait(("error", error))

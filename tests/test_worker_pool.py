@@ -1,0 +1,170 @@
+"""A worker process per device (`model.placement: workers`): a real gRPC server on 127.0.0.1 whose
+two device workers run the fixture model on "cpu" (the device repeats, as two GPUs would not).
+Routing, speakers reaching every worker, text streams, per-worker metrics, GetServerInfo, and one
+worker SIGKILLed under load: its streams UNAVAILABLE naming its device, the other's succeed,
+health stays SERVING (degraded), the worker comes back, and no speaker is lost."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from async_cosyvoice.config import Config
+from async_cosyvoice.worker_pool import WorkerPool
+from grpc_async.client import CosyVoiceClient, chunk_samples
+from grpc_async.server import ServerThread
+
+pytestmark = pytest.mark.slow
+
+TEXT = "Hello there, this is a small test."
+PROMPT_TEXT = "The morning train was late again, so I walked along the river."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    spk = tmp_path_factory.mktemp("spk")
+    cfg = Config.model_validate({
+        "model": {"dir": str(tiny_dir), "devices": ["cpu", "cpu"]},  # placement: workers (the default)
+        "speakers": {"dir": str(spk)},
+        "server": {"port": 0, "metrics_port": 0, "grace_seconds": 5},
+        "workers": {"restart_backoff_s": 0.2},
+    })
+    with ServerThread(cfg, ready_timeout=900) as st:
+        yield st
+
+
+def _metric(st: ServerThread, name: str) -> dict[str, float]:
+    """index -> value of a per-device series."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
+    found = re.findall(rf'^{name}{{device="cpu",index="(\d)",role="worker"}} ([0-9.e+]+)$', text, re.M)
+    return {index: float(value) for index, value in found}
+
+
+def _scalar(st: ServerThread, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
+    return float(re.search(rf"^{name} ([0-9.e+]+)$", text, re.M).group(1))
+
+
+async def _health(target: str) -> int:
+    async with grpc.aio.insecure_channel(target) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        return reply.status
+
+
+def test_workers_route_register_and_stream(server, golden_dir):
+    st = server
+    pool = st.server.synthesizer
+    assert isinstance(pool, WorkerPool) and [w.state for w in pool.workers] == ["serving", "serving"]
+    assert len({w.pid for w in pool.workers} | {os.getpid()}) == 3  # two processes besides the server's
+    prompt = (golden_dir / "prompt_24k.wav").read_bytes()
+
+    async def scenario():
+        async with CosyVoiceClient(st.target) as client:
+            await client.register_speaker("pool_voice", PROMPT_TEXT, prompt)
+            served = [w.served for w in pool.workers]
+
+            async def one() -> np.ndarray:
+                chunks = [c async for c in client.synthesize(TEXT, stream=True, encoding="float32", max_tokens=40,
+                                                             seed=3, mode="zero_shot_by_spk_id",
+                                                             speaker_id="pool_voice")]
+                assert chunks[-1].is_final
+                return np.concatenate([chunk_samples(c) for c in chunks])
+
+            audio = await asyncio.gather(*(one() for _ in range(4)))
+            spread = [w.served - s for w, s in zip(pool.workers, served)]
+            # a text stream (sentence mode) through a worker
+            streamed = [c async for c in client.stream_synthesize(["Hello there. ", "This is streamed."],
+                                                                  mode="zero_shot_by_spk_id", speaker_id="pool_voice",
+                                                                  max_tokens=20, text_mode="sentence")]
+            info = await client.get_server_info()
+            return audio, spread, streamed, info
+
+    audio, spread, streamed, info = st.call(scenario(), timeout=600)
+    assert spread == [2, 2]  # four at once: the fewest in flight alternates
+    for a in audio[1:]:  # one seed, one voice: the same tokens on either worker
+        assert a.shape == audio[0].shape and np.corrcoef(a, audio[0])[0, 1] > 0.95
+    assert streamed and streamed[-1].is_final and sum(len(c.audio) for c in streamed) > 0
+    assert not info.degraded and [(d.device, d.role, d.state) for d in info.devices] == [("cpu", "worker", "serving")] * 2
+    assert all(w.active == 0 for w in pool.workers)
+    assert _metric(st, "cosyvoice_device_up") == {"0": 1.0, "1": 1.0}
+    assert all(v > 0 for v in _metric(st, "cosyvoice_device_memory_bytes").values())
+    assert all(v > 0 for v in _metric(st, "cosyvoice_device_busy_seconds_total").values())
+    assert _scalar(st, "cosyvoice_degraded") == 0.0
+
+
+def test_speaker_errors_come_back_with_their_status(server):
+    async def scenario():
+        async with CosyVoiceClient(server.target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                async for _ in client.synthesize(TEXT, mode="zero_shot_by_spk_id", speaker_id="nobody"):
+                    pass
+            return missing.value
+
+    error = server.call(scenario(), timeout=120)
+    assert error.code() == grpc.StatusCode.NOT_FOUND and "nobody" in error.details()
+
+
+def test_a_killed_worker_fails_its_streams_and_comes_back(server, golden_dir):
+    st = server
+    pool = st.server.synthesizer
+    victim = pool.workers[0]
+    prompt = (golden_dir / "prompt_24k.wav").read_bytes()
+
+    async def scenario():
+        async with CosyVoiceClient(st.target) as client:
+            await client.register_speaker("kept_voice", PROMPT_TEXT, prompt, overwrite=True)
+            started = [asyncio.Event() for _ in range(4)]
+
+            async def one(i: int) -> tuple[int, str, str]:
+                try:
+                    async for _ in client.synthesize(TEXT, stream=True, max_tokens=150, mode="zero_shot_by_spk_id",
+                                                     speaker_id="kept_voice"):
+                        started[i].set()
+                    return i, "OK", ""
+                except grpc.aio.AioRpcError as e:
+                    return i, e.code().name, e.details() or ""
+                finally:
+                    started[i].set()
+
+            tasks = [asyncio.create_task(one(i)) for i in range(4)]
+            await asyncio.gather(*(e.wait() for e in started))
+            on_victim = victim.active
+            os.kill(victim.pid, signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+            health = await _health(st.target)
+            info = await client.get_server_info()
+            return on_victim, results, health, info
+
+    on_victim, results, health, info = st.call(scenario(), timeout=600)
+    codes = [code for _, code, _ in results]
+    assert on_victim == 2 and codes.count("OK") == 2 and codes.count("UNAVAILABLE") == 2, results
+    for _, code, details in results:
+        if code == "UNAVAILABLE":
+            assert "worker process on cpu (worker 0) died" in details and "signal 9" in details
+    assert health == health_pb2.HealthCheckResponse.SERVING
+    assert info.degraded and info.devices[0].state in ("restarting", "serving")
+
+    st.call(asyncio.wait_for(victim.wait_serving(), 300), timeout=310)
+    assert victim.restarts == 1 and pool.workers[1].restarts == 0
+    assert _metric(st, "cosyvoice_device_restarts_total") == {"0": 1.0, "1": 0.0}
+
+    async def after():  # the speaker registered before the death is served by both workers
+        async with CosyVoiceClient(st.target) as client:
+            async def one():
+                return [c async for c in client.synthesize(TEXT, max_tokens=20, mode="zero_shot_by_spk_id",
+                                                           speaker_id="kept_voice")]
+            done = await asyncio.gather(*(one() for _ in range(2)))
+            return done, await client.get_server_info()
+
+    served = [w.served for w in pool.workers]
+    done, info = st.call(after(), timeout=300)
+    assert all(chunks[-1].is_final for chunks in done)
+    assert [w.served - s for w, s in zip(pool.workers, served)] == [1, 1]
+    assert not info.degraded and _scalar(st, "cosyvoice_degraded") == 0.0
