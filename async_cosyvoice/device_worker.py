@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import pickle
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -40,6 +39,7 @@ from .engine.base import EngineStats
 from .frontend.model_input import ModelInput
 from .request import FLUSH, AudioChunk, SynthesisRequest, Voice
 from .stage_stats import StageStats
+from .token2wav.process import picklable
 from .tts import Synthesizer
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,6 @@ class StreamOrder:
 
 
 _TEXT_END = object()
-
-
-def picklable(error: BaseException) -> BaseException:
-    """The error itself where it pickles, else a RuntimeError naming it."""
-    try:
-        pickle.dumps(error)
-        return error
-    except Exception:  # noqa: BLE001 — any unpicklable error becomes a plain one
-        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def device_memory_bytes(device: str) -> int:

@@ -111,6 +111,56 @@ def test_speaker_errors_come_back_with_their_status(server):
     assert error.code() == grpc.StatusCode.NOT_FOUND and "nobody" in error.details()
 
 
+def test_bad_stream_input_and_bistream_through_a_worker(server, golden_dir):
+    prompt = (golden_dir / "prompt_24k.wav").read_bytes()
+
+    async def scenario():
+        async with CosyVoiceClient(server.target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as bad:  # refused by the worker's Synthesizer
+                async for _ in client.stream_synthesize(["Hello."], mode="sft", speaker_id="nobody",
+                                                        text_mode="sentence", text_normalization="raw"):
+                    pass
+            info = await client.get_server_info()
+            chunks = []
+            if info.bistream:  # one LM request fed the pieces as they arrive, in the worker
+                chunks = [c async for c in client.stream_synthesize(["Hello there, ", "this is bistream."],
+                                                                    max_tokens=20, text_mode="bistream",
+                                                                    mode="cross_lingual",
+                                                                    prompt_audio=prompt)]
+            return bad.value, info, chunks
+
+    bad, info, chunks = server.call(scenario(), timeout=300)
+    assert bad.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), bad
+    assert not info.bistream or (chunks and chunks[-1].is_final)
+    assert all(w.active == 0 for w in server.server.synthesizer.workers)
+
+
+def test_a_cancelled_request_is_aborted_in_its_worker(server, golden_dir):
+    """The client leaves after the first chunk of a long request: the worker aborts its LLM request,
+    so at the end of a next request on the same worker only that one is (or was) running there."""
+    pool = server.server.synthesizer
+    prompt = (golden_dir / "prompt_24k.wav").read_bytes()
+
+    async def scenario():
+        async with CosyVoiceClient(server.target) as client:
+            served = [w.served for w in pool.workers]
+            async for _ in client.synthesize(TEXT, stream=True, max_tokens=2000, mode="cross_lingual",
+                                             prompt_audio=prompt):
+                break  # leaving the loop cancels the RPC
+            (first,) = [w for w, n in zip(pool.workers, served) if w.served > n]
+            while True:  # the next request that lands on the same worker (at most a few: least loaded)
+                served = first.served
+                running = [first.stats.engine.running async for _ in client.synthesize(
+                    TEXT, stream=True, max_tokens=20, mode="cross_lingual", prompt_audio=prompt)]
+                if first.served > served:
+                    return running
+
+    running = server.call(scenario(), timeout=300)
+    # not aborted, the 2000-token request would still be generating at the other's last chunk
+    assert running and running[-1] <= 1, running
+    assert all(w.active == 0 for w in pool.workers)
+
+
 def test_a_killed_worker_fails_its_streams_and_comes_back(server, golden_dir):
     st = server
     pool = st.server.synthesizer
