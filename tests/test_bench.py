@@ -443,7 +443,7 @@ def test_multi_gpu_merge_scaling_against_one_gpu(multi_gpu, tmp_path):
     bench.write_json(_setup_results("disaggregated", 4, None, {1: 7.0, 32: 60.0}), b / "setup-disaggregated.json")
     assert multi_gpu.main(["--merge", f"{a},{b}", "--out", str(out)]) == 0
     rows = {r["setup"]: r for r in json.loads((out / "multi_gpu_results.json").read_text())["setups"]}
-    assert list(rows) == ["one", "replicas", "disaggregated"]
+    assert list(rows) == ["one", "disaggregated", "replicas"]  # by placement (workers first), then GPUs
     rep, dis, one = rows["replicas"], rows["disaggregated"], rows["one"]
     assert rep["capacity_vs_one"] == pytest.approx(4.0) and rep["capacity_rate_per_gpu"] == pytest.approx(0.5)
     assert rep["capacity_streams"] == pytest.approx(20.0) and rep["capacity_streams_per_gpu"] == pytest.approx(5.0)
@@ -456,7 +456,8 @@ def test_multi_gpu_merge_scaling_against_one_gpu(multi_gpu, tmp_path):
     assert "| replicas | 4 | 100 s (cold) | 2 | 20.0 | 5.00 | 4.00x | 150.0 (64) | 3.66x |" in md
     assert "| disaggregated | 4 | 100 s (cold) | < 0.25 | - | - | - | 60.0 (32) | 1.50x |" in md
     assert "| one | 64 | 6400 ms | 12800 ms | 64 (32 of 128) | 41.0 | 0 |" in md
-    assert {p.name for p in out.iterdir()} == {"multi_gpu_results.json", "multi_gpu_table.txt", "multi_gpu_table.md"}
+    assert {p.name for p in out.iterdir()} == {"multi_gpu_results.json", "multi_gpu_table.txt", "multi_gpu_table.md",
+                                             "multi_gpu_scaling.png"}
     # without one GPU in the folders there is nothing to scale against
     assert multi_gpu.main(["--merge", str(b), "--out", str(tmp_path / "alone")]) == 0
     alone = json.loads((tmp_path / "alone" / "multi_gpu_results.json").read_text())["setups"]
