@@ -20,6 +20,7 @@ loses none (its start-up prepares the most recent ones, as any start does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -345,8 +346,9 @@ class WorkerPool:
         inputs = await self.front.model_inputs(request, voice or await self.front.prepare_voice(request))
         # the audio stays here: the inputs carry what the devices need of it
         order = SpeakOrder(dataclasses.replace(request, prompt_audio=None, source_audio=None), inputs)
-        async for chunk in self._on_a_worker("speak", order):
-            yield chunk
+        async with contextlib.aclosing(self._on_a_worker("speak", order)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
                                 text_mode: str | None = None,
@@ -356,8 +358,9 @@ class WorkerPool:
         request = self.rules.check(request, streamed_text=True)
         voice = await self.front.prepare_voice(request)
         order = StreamOrder(request, voice, text_mode, text_normalization)
-        async for chunk in self._on_a_worker("stream", order, text=text):
-            yield chunk
+        async with contextlib.aclosing(self._on_a_worker("stream", order, text=text)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _on_a_worker(self, kind: str, order, text: AsyncIterable[str | object] | None = None
                            ) -> AsyncIterator[AudioChunk]:

@@ -387,7 +387,8 @@ def test_multi_gpu_server_script_quick_on_cpu(multi_gpu, tmp_path):
                            "--out", str(tmp_path)]) == 0
     table = (tmp_path / "multi_gpu_table.txt").read_text()
     setups = (("one", [], "workers", False), ("workers-2", ["cpu", "cpu"], "workers", False),
-              ("disaggregated-2", ["cpu", "cpu"], "disaggregated", True), ("replicas-2", ["cpu", "cpu"], "replicas", False))
+              ("disaggregated-2", ["cpu", "cpu"], "disaggregated", True),
+              ("replicas-2", ["cpu", "cpu"], "replicas", False))
     for name, devices, placement, t2w_process in setups:
         r = json.loads((tmp_path / f"setup-{name}.json").read_text())
         config = r["meta"]["config"]

@@ -91,7 +91,8 @@ def test_workers_route_register_and_stream(server, golden_dir):
     for a in audio[1:]:  # one seed, one voice: the same tokens on either worker
         assert a.shape == audio[0].shape and np.corrcoef(a, audio[0])[0, 1] > 0.95
     assert streamed and streamed[-1].is_final and sum(len(c.audio) for c in streamed) > 0
-    assert not info.degraded and [(d.device, d.role, d.state) for d in info.devices] == [("cpu", "worker", "serving")] * 2
+    assert not info.degraded
+    assert [(d.device, d.role, d.state) for d in info.devices] == [("cpu", "worker", "serving")] * 2
     assert all(w.active == 0 for w in pool.workers)
     assert _metric(st, "cosyvoice_device_up") == {"0": 1.0, "1": 1.0}
     assert all(v > 0 for v in _metric(st, "cosyvoice_device_memory_bytes").values())
