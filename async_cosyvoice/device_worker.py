@@ -96,6 +96,10 @@ def serve_device(config_json: dict, conn, warmup: bool = True) -> None:
     config = Config.model_validate(config_json)
     device = config.model.device
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s worker[{device}] %(name)s: %(message)s")
+    if torch.device(device).type == "cuda":
+        # whatever says just "cuda" (a stream, a graph pool, a library's default) means this worker's
+        # card, not cuda:0 of every worker
+        torch.cuda.set_device(torch.device(device))
     code = asyncio.run(_serve(config, conn, warmup))
     conn.close()
     os._exit(code)  # not the interpreter's exit: a stuck non-daemon thread of an engine must not hold it
