@@ -1,13 +1,14 @@
 """One device's worker process (`model.placement: workers`): a Synthesizer on its device (LLM
 engine + token2wav) serving the server's front process over a pipe. The front (worker_pool.py)
-keeps the doors, the RequestFront (text, voices, speaker store), admission and metrics; here run
-only the devices' parts, on an event loop and a GIL of their own.
+keeps the doors, the RequestFront (text normalization and tokens, voices, speaker store),
+admission and metrics; here run only the devices' parts (`Synthesizer.speak`, `speak_stream`), on
+an event loop and a GIL of their own.
 
 One duplex pipe of pickled messages (multiprocessing's Connection):
 
     front -> worker   ("speak", key, SpeakOrder)      a checked request and its model inputs
-                      ("stream", key, StreamOrder)    a text stream: its request, voice and modes
-                      ("text", key, piece)            the stream's next piece (None: FLUSH)
+                      ("stream", key, StreamOrder)    a text stream: its request, voice, instruction, mode
+                      ("text", key, token_ids)        the stream's next text tokens (RequestFront.stream_tokens)
                       ("text_end", key)               the stream's text is complete
                       ("cancel", key)                 its caller went away
                       ("call", key, method, args)     prepare_speaker(record), forget_speaker(speaker_id)
@@ -37,7 +38,8 @@ import torch
 from .config import Config
 from .engine.base import EngineStats
 from .frontend.model_input import ModelInput
-from .request import FLUSH, AudioChunk, SynthesisRequest, Voice
+from .request import AudioChunk, SynthesisRequest, Voice
+from .request_front import TextMode
 from .stage_stats import StageStats
 from .token2wav.process import picklable
 from .tts import Synthesizer
@@ -76,8 +78,8 @@ class SpeakOrder:
 class StreamOrder:
     request: SynthesisRequest  # checked, without its audio
     voice: Voice
-    text_mode: str | None
-    text_normalization: str | None
+    instruction: list[int]     # instruction token ids (instruct2 modes)
+    mode: TextMode             # bistream: one LM request fed the tokens; sentence: an utterance per list
 
 
 _TEXT_END = object()
@@ -169,12 +171,12 @@ class _WorkerServer:
         elif kind == "stream":
             order: StreamOrder = rest[0]
             text = self.texts[key] = asyncio.Queue()
-            chunks = self.synth.synthesize_stream(_pieces(text), order.request, text_mode=order.text_mode,
-                                                  text_normalization=order.text_normalization, voice=order.voice)
+            chunks = self.synth.speak_stream(order.request, order.voice, order.instruction, order.mode,
+                                             _text_tokens(text))
             self.tasks[key] = loop.create_task(self._stream(key, chunks))
         elif kind == "text":
             if (text := self.texts.get(key)) is not None:
-                text.put_nowait(FLUSH if rest[0] is None else rest[0])
+                text.put_nowait(rest[0])
         elif kind == "text_end":
             if (text := self.texts.get(key)) is not None:
                 text.put_nowait(_TEXT_END)
@@ -227,6 +229,6 @@ class _WorkerServer:
             self.tasks.pop(key, None)
 
 
-async def _pieces(text: asyncio.Queue) -> AsyncIterator[str | object]:
-    while (piece := await text.get()) is not _TEXT_END:
-        yield piece
+async def _text_tokens(text: asyncio.Queue) -> AsyncIterator[list[int]]:
+    while (tokens := await text.get()) is not _TEXT_END:
+        yield tokens

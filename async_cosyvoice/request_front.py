@@ -3,6 +3,7 @@
     request = front.rules.check(request)
     voice = await front.prepare_voice(request)        prompt audio encoded, or a stored speaker
     inputs = await front.model_inputs(request, voice) normalised, split, tokenized text segments
+    tokens = front.stream_tokens(text, ...)           a text stream's token ids as they become known
     record = await front.new_speaker(...)             a zero-shot speaker computed and stored
 
 A Synthesizer has one (the same process runs its devices); a server on several devices
@@ -15,20 +16,49 @@ import asyncio
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterable, AsyncIterator, Literal
 
 from .config import Config
-from .errors import InvalidRequest, SpeakerExists, Unsupported
+from .errors import InvalidRequest, SpeakerExists, TextTimeout, Unsupported
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
+from .frontend.sentences import complete_sentences
+from .frontend.stream_text import StreamTextNormalizer
 from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .model_dir import ModelDir
-from .request import Audio, SynthesisRequest, Voice
+from .request import FLUSH, Audio, SynthesisRequest, Voice
 from .rules import ENDOFPROMPT, RequestRules
 from .speaker_store import open_speaker_store
 from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 
 log = logging.getLogger(__name__)
+
+TextMode = Literal["sentence", "bistream"]
+TextNormalization = Literal["safe", "raw"]
+MAX_STREAM_SENTENCE_CHARS = 200  # a streamed text without sentence ends is cut at about this length
+
+
+def default_text_mode(supports_bistream: bool) -> TextMode:
+    """What a text stream gets when it does not say: bistream where the engine can, else sentences."""
+    return "bistream" if supports_bistream else "sentence"
+
+
+async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float) -> AsyncIterator[str | object]:
+    """A text stream's pieces, checked (strings or FLUSH), ended by TextTimeout when none arrives
+    for `idle_seconds`."""
+    pieces = aiter(text)
+    while True:
+        try:
+            piece = await asyncio.wait_for(anext(pieces), idle_seconds)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise TextTimeout(f"no text arrived for {idle_seconds:g} s (limits.text_idle_seconds); "
+                              "send the end of the text when it is complete") from None
+        if piece is not FLUSH and not isinstance(piece, str):
+            raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
+        yield piece
 
 
 class RequestFront:
@@ -126,3 +156,55 @@ class RequestFront:
         if ENDOFPROMPT not in instruction:  # upstream HEAD requires the caller to add it
             instruction += ENDOFPROMPT
         return self.tokenizer.encode(instruction)
+
+    # -- text streams ---------------------------------------------------------------------------------
+
+    def stream_modes(self, text_mode: str | None, text_normalization: str | None,
+                     supports_bistream: bool) -> tuple[TextMode, TextNormalization]:
+        """A text stream's modes, checked against each other and the engine (None: the defaults)."""
+        mode = text_mode or default_text_mode(supports_bistream)
+        if mode not in ("sentence", "bistream"):
+            raise InvalidRequest(f"text_mode must be 'sentence' or 'bistream', got {text_mode!r}")
+        if mode == "bistream" and not supports_bistream:
+            raise Unsupported(f"the {self.config.engine.kind} engine cannot extend a running LM request "
+                              "with text; use text_mode 'sentence'")
+        normalization = text_normalization or "safe"
+        if normalization not in ("safe", "raw"):
+            raise InvalidRequest(f"text_normalization must be 'safe' or 'raw', got {text_normalization!r}")
+        if normalization == "raw" and mode == "sentence":
+            raise InvalidRequest("text_normalization 'raw' feeds bistream pieces as upstream does; sentence mode "
+                                 "normalizes whole sentences (options.text_frontend=false skips that)")
+        return mode, normalization
+
+    async def stream_tokens(self, text: AsyncIterable[str | object], request: SynthesisRequest, mode: TextMode,
+                            normalization: TextNormalization) -> AsyncIterator[list[int]]:
+        """A text stream's token ids as they become known. bistream, raw: each piece's own (FLUSH
+        means nothing to an LM that reads as text comes); bistream, safe: the normalized text up to
+        the last safe boundary (frontend/stream_text.py; FLUSH releases what is held); sentence:
+        each complete sentence normalized and split, one list per text segment. A pause of more
+        than `limits.text_idle_seconds` between pieces raises TextTimeout."""
+        pieces = checked_pieces(text, self.config.limits.text_idle_seconds)
+        if mode == "sentence":
+            async for sentence in complete_sentences(pieces, min(MAX_STREAM_SENTENCE_CHARS, self.rules.max_text_chars)):
+                for tokens in await self.in_cpu(self.text_segments, sentence, request.options.text_frontend):
+                    yield tokens
+            return
+        normalizer = (StreamTextNormalizer(self.text_frontend, enabled=request.options.text_frontend)
+                      if normalization == "safe" else None)
+        async for piece in pieces:
+            if normalizer is not None:
+                tokens = await self.in_cpu(self._released_tokens, normalizer, piece)
+            elif piece is FLUSH or not piece:
+                continue
+            else:
+                tokens = await self.in_cpu(self.tokenizer.encode, piece)
+            if tokens:
+                yield tokens
+        if normalizer is not None and (tokens := await self.in_cpu(self._released_tokens, normalizer, None)):
+            yield tokens
+
+    def _released_tokens(self, normalizer: StreamTextNormalizer, piece: str | object | None) -> list[int]:
+        """CPU pool: a piece (FLUSH, or None for the end) into the normalizer -> the released tokens."""
+        released = (normalizer.end() if piece is None else normalizer.flush() if piece is FLUSH
+                    else normalizer.feed(piece))
+        return self.tokenizer.encode(released) if released else []

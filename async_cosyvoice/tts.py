@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Callable, Iterator, Literal
+from typing import AsyncIterable, AsyncIterator, Callable, Iterator
 
 import torch
 
@@ -36,25 +36,20 @@ from .engine.base import (
 from .errors import (
     InvalidRequest,
     SpeakerNotFound,
-    TextTimeout,
-    Unsupported,
 )
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
-from .frontend.sentences import complete_sentences
-from .frontend.stream_text import StreamTextNormalizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
 from .models.dims import RASParams
 from .offline import segments_at_once
 from .request import (
-    FLUSH,
     Audio,
     AudioChunk,
     SynthesisOptions,
     SynthesisRequest,
     Voice,
 )
-from .request_front import RequestFront
+from .request_front import RequestFront, TextMode, TextNormalization
 from .speakers import SpeakerRecord, SpeakerStoreBase
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule
@@ -66,38 +61,34 @@ from .warmup import Warmup, compile_in_use, use_compile_cache
 
 log = logging.getLogger(__name__)
 
-TextMode = Literal["sentence", "bistream"]
-TextNormalization = Literal["safe", "raw"]
-MAX_STREAM_SENTENCE_CHARS = 200  # a streamed text without sentence ends is cut at about this length
-
-
-def default_text_mode(supports_bistream: bool) -> TextMode:
-    """What a text stream gets when it does not say: bistream where the engine can, else sentences."""
-    return "bistream" if supports_bistream else "sentence"
-
-
-async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float) -> AsyncIterator[str | object]:
-    """A text stream's pieces, checked (strings or FLUSH), ended by TextTimeout when none arrives
-    for `idle_seconds`."""
-    pieces = aiter(text)
-    while True:
-        try:
-            piece = await asyncio.wait_for(anext(pieces), idle_seconds)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise TextTimeout(f"no text arrived for {idle_seconds:g} s (limits.text_idle_seconds); "
-                              "send the end of the text when it is complete") from None
-        if piece is not FLUSH and not isinstance(piece, str):
-            raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
-        yield piece
-
 
 @dataclass
 class TextFed:
     """How much text a bistream request has been given, and whether that is all of it."""
     n_tokens: int = 0
     ended: bool = False
+
+
+async def counted_text(tokens: AsyncIterator[list[int]], fed: TextFed) -> AsyncIterator[list[int]]:
+    """Bistream: the text's token ids passed on, counted in `fed` (ended once they are all there)."""
+    async for batch in tokens:
+        fed.n_tokens += len(batch)
+        yield batch
+    if fed.n_tokens == 0:
+        raise InvalidRequest("no text was received (or only whitespace)")
+    fed.ended = True
+
+
+async def read_ahead(items: AsyncIterator, queue: asyncio.Queue) -> None:
+    """Reader task: `items` onto the queue, then None (or the error)."""
+    try:
+        async for item in items:
+            queue.put_nowait(item)
+        queue.put_nowait(None)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: B036 - handed to the consumer
+        queue.put_nowait(e)
 
 
 class Synthesizer:
@@ -308,11 +299,10 @@ class Synthesizer:
         return await self.front.model_inputs(request, voice)
 
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
-                                text_mode: TextMode | None = None, text_normalization: TextNormalization | None = None,
-                                voice: Voice | None = None) -> AsyncIterator[AudioChunk]:
+                                text_mode: TextMode | None = None,
+                                text_normalization: TextNormalization | None = None) -> AsyncIterator[AudioChunk]:
         """Text that arrives in pieces (a token, a word, a sentence) -> chunks. The voice and
-        options come from `request` (its text stays empty); the voice is prepared once (or given:
-        `prepare_voice`'s, as a device worker gets it from the server's front).
+        options come from `request` (its text stays empty); the voice is prepared once.
 
         text_mode "bistream" (the default where the engine `supports_bistream`): one LM request
         for the whole stream, fed the text's tokens as they arrive (CosyVoice2's bistream mode:
@@ -320,89 +310,55 @@ class Synthesizer:
         the text is normalized like a whole text, released up to the last safe boundary
         (frontend/stream_text.py: one word late in English, a clause in Chinese; `FLUSH` releases
         what is held); "raw": each piece tokenized on its own without normalization, exactly as
-        upstream, for token-for-token parity. Upstream's bistream loop has no length rule, so a
-        model that never emits EOS would speak to max_model_len: `_length_rule` applies
-        upstream's max_token_text_ratio once the text has ended.
+        upstream, for token-for-token parity (RequestFront.stream_tokens). Upstream's bistream loop
+        has no length rule, so a model that never emits EOS would speak to max_model_len:
+        `_length_rule` applies upstream's max_token_text_ratio once the text has ended.
         "sentence" (the default otherwise): each sentence is normalized and synthesized as soon as
         it is complete (`FLUSH` cuts what is buffered), with upstream's length rules.
         Either way the stream ends with a final chunk, which carries no audio when the end of the
         text was known only after the last audio. A pause of more than `limits.text_idle_seconds`
         between pieces raises TextTimeout."""
         request = self.rules.check(request, streamed_text=True)
-        mode = text_mode or default_text_mode(self.supports_bistream)
-        if mode not in ("sentence", "bistream"):
-            raise InvalidRequest(f"text_mode must be 'sentence' or 'bistream', got {text_mode!r}")
-        if mode == "bistream" and not self.supports_bistream:
-            raise Unsupported(f"the {self.config.engine.kind} engine cannot extend a running LM request "
-                              "with text; use text_mode 'sentence'")
-        normalization = text_normalization or "safe"
-        if normalization not in ("safe", "raw"):
-            raise InvalidRequest(f"text_normalization must be 'safe' or 'raw', got {text_normalization!r}")
-        if normalization == "raw" and mode == "sentence":
-            raise InvalidRequest("text_normalization 'raw' feeds bistream pieces as upstream does; sentence mode "
-                                 "normalizes whole sentences (options.text_frontend=false skips that)")
-        voice = voice or await self.prepare_voice(request)
+        mode, normalization = self.front.stream_modes(text_mode, text_normalization, self.supports_bistream)
+        voice = await self.prepare_voice(request)
         instruction = await self._in_cpu(self.front.instruction_tokens, request)
-        pieces = checked_pieces(text, self.config.limits.text_idle_seconds)
+        tokens = self.front.stream_tokens(text, request, mode, normalization)
+        async with contextlib.aclosing(self.speak_stream(request, voice, instruction, mode, tokens)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def speak_stream(self, request: SynthesisRequest, voice: Voice, instruction: list[int], mode: TextMode,
+                           text_tokens: AsyncIterator[list[int]]) -> AsyncIterator[AudioChunk]:
+        """A text stream's token ids (`RequestFront.stream_tokens`) -> its chunks: the devices' part
+        of `synthesize_stream`, which a device worker process runs for the server's front
+        (worker_pool.py). bistream: one LM request fed the token ids as they arrive; sentence: an
+        utterance per list (a text segment), read ahead while the earlier ones speak."""
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
             model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
             fed = TextFed()
-            normalizer = (StreamTextNormalizer(self.text_frontend, enabled=request.options.text_frontend)
-                          if normalization == "safe" else None)
             utterance = self._utterance(request, model_input, 0, playback, last=True,
-                                        text_tokens=self._piece_tokens(pieces, fed, normalizer), fed=fed)
+                                        text_tokens=counted_text(text_tokens, fed), fed=fed)
             async for chunk in utterance.run():
                 yield chunk
             return
-        sentences: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._read_sentences(pieces, sentences))
+        segments: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(read_ahead(text_tokens, segments))
         try:
             n = 0
-            while (item := await sentences.get()) is not None:
+            while (item := await segments.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                segments = await self._in_cpu(self.front.text_segments, item, request.options.text_frontend)
-                for tokens in segments:
-                    model_input = build_model_input(request.mode, voice, text_tokens=tokens,
-                                                    instruction_tokens=instruction)
-                    async for chunk in self._utterance(request, model_input, n, playback, last=False).run():
-                        yield chunk
-                    n += 1
+                model_input = build_model_input(request.mode, voice, text_tokens=item, instruction_tokens=instruction)
+                async for chunk in self._utterance(request, model_input, n, playback, last=False).run():
+                    yield chunk
+                n += 1
             if n == 0:
                 raise InvalidRequest("no text was received (or only punctuation)")
             yield playback.empty_final_chunk()
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-
-    async def _piece_tokens(self, pieces: AsyncIterator[str | object], fed: TextFed,
-                            normalizer: StreamTextNormalizer | None) -> AsyncIterator[list[int]]:
-        """Bistream: the text's token ids as they become known. Raw (no normalizer): each piece's
-        own (FLUSH means nothing to an LM that reads as text comes); safe: the normalized text up
-        to the last safe boundary (FLUSH releases what is held)."""
-        async for piece in pieces:
-            if normalizer is not None:
-                tokens = await self._in_cpu(self._released_tokens, normalizer, piece)
-            elif piece is FLUSH or not piece:
-                continue
-            else:
-                tokens = await self._in_cpu(self.tokenizer.encode, piece)
-            if tokens:
-                fed.n_tokens += len(tokens)
-                yield tokens
-        if normalizer is not None and (tokens := await self._in_cpu(self._released_tokens, normalizer, None)):
-            fed.n_tokens += len(tokens)
-            yield tokens
-        if fed.n_tokens == 0:
-            raise InvalidRequest("no text was received (or only whitespace)")
-        fed.ended = True
-
-    def _released_tokens(self, normalizer: StreamTextNormalizer, piece: str | object | None) -> list[int]:
-        """CPU pool: a piece (FLUSH, or None for the end) into the normalizer -> the released tokens."""
-        released = (normalizer.end() if piece is None else normalizer.flush() if piece is FLUSH
-                    else normalizer.feed(piece))
-        return self.tokenizer.encode(released) if released else []
 
     async def _length_rule(self, speech: AsyncIterator[list[int]], fed: TextFed) -> AsyncIterator[list[int]]:
         """Bistream: upstream's length rule for text it has all of (at most max_token_text_ratio
@@ -419,17 +375,6 @@ class Synthesizer:
                     return
                 n += len(batch)
                 yield batch
-
-    async def _read_sentences(self, pieces: AsyncIterator[str | object], sentences: asyncio.Queue) -> None:
-        """Reader task: text pieces -> complete sentences on the queue, then None (or the error)."""
-        try:
-            async for sentence in complete_sentences(pieces, min(MAX_STREAM_SENTENCE_CHARS, self.rules.max_text_chars)):
-                sentences.put_nowait(sentence)
-            sentences.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: B036 - handed to the consumer
-            sentences.put_nowait(e)
 
     def _utterance(self, request: SynthesisRequest, model_input: ModelInput, segment: int, playback: Playback,
                    *, last: bool, text_tokens: AsyncIterator[list[int]] | None = None,

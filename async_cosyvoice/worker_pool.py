@@ -33,9 +33,9 @@ from .demo import resolve_model_dir
 from .device_worker import ENGINE_DEAD_EXIT_CODE, SpeakOrder, StreamOrder, WorkerInfo, WorkerStats, serve_device
 from .devices import DeviceStats, devices_of, on_device
 from .engine.base import EngineStats
-from .errors import InvalidRequest, NotReady
+from .errors import NotReady
 from .model_dir import load_model_dir
-from .request import FLUSH, Audio, AudioChunk, SynthesisRequest, Voice
+from .request import Audio, AudioChunk, SynthesisRequest, Voice
 from .request_front import RequestFront
 from .speakers import SpeakerRecord
 from .stage_stats import StageStats, totals
@@ -353,21 +353,26 @@ class WorkerPool:
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
                                 text_mode: str | None = None,
                                 text_normalization: str | None = None) -> AsyncIterator[AudioChunk]:
-        """The voice is prepared here, the text pieces are forwarded as they arrive to one worker,
-        whose Synthesizer.synthesize_stream reads them (sentences or bistream)."""
+        """The voice is prepared and the text normalized and tokenized here
+        (RequestFront.stream_tokens); the token ids go to one worker as they become known, whose
+        Synthesizer.speak_stream speaks them (bistream or sentence by sentence)."""
         request = self.rules.check(request, streamed_text=True)
+        mode, normalization = self.front.stream_modes(text_mode, text_normalization, self.supports_bistream)
         voice = await self.front.prepare_voice(request)
-        order = StreamOrder(request, voice, text_mode, text_normalization)
-        async with contextlib.aclosing(self._on_a_worker("stream", order, text=text)) as chunks:
+        instruction = await self.front.in_cpu(self.front.instruction_tokens, request)
+        order = StreamOrder(dataclasses.replace(request, prompt_audio=None, source_audio=None), voice, instruction,
+                            mode)
+        tokens = self.front.stream_tokens(text, request, mode, normalization)
+        async with contextlib.aclosing(self._on_a_worker("stream", order, text_tokens=tokens)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def _on_a_worker(self, kind: str, order, text: AsyncIterable[str | object] | None = None
+    async def _on_a_worker(self, kind: str, order, text_tokens: AsyncIterator[list[int]] | None = None
                            ) -> AsyncIterator[AudioChunk]:
         worker = self._pick()
         key, inbox = worker.open(kind, order)
         worker.active += 1
-        feeder = None if text is None else asyncio.create_task(_feed(worker, key, text, inbox))
+        feeder = None if text_tokens is None else asyncio.create_task(_feed(worker, key, text_tokens, inbox))
         over = False
         try:
             while True:
@@ -412,14 +417,12 @@ class WorkerPool:
                     pass
 
 
-async def _feed(worker: DeviceWorker, key: int, text: AsyncIterable[str | object], inbox: asyncio.Queue) -> None:
-    """A text stream's pieces to the worker as they arrive; a failure of the text (a bad piece, the
-    client's error) ends the request with it."""
+async def _feed(worker: DeviceWorker, key: int, text_tokens: AsyncIterator[list[int]], inbox: asyncio.Queue) -> None:
+    """A text stream's token ids to the worker as they become known; a failure of the text (a bad
+    piece, a pause too long, the client's error) ends the request with it."""
     try:
-        async for piece in text:
-            if piece is not FLUSH and not isinstance(piece, str):
-                raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
-            worker.send(("text", key, None if piece is FLUSH else piece))
+        async for tokens in text_tokens:
+            worker.send(("text", key, tokens))
         worker.send(("text_end", key))
     except asyncio.CancelledError:
         raise

@@ -5,7 +5,7 @@ from importlib import metadata
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.placement import device_stats
-from async_cosyvoice.tts import default_text_mode
+from async_cosyvoice.request_front import default_text_mode
 
 from ._stubs import load as _load_stubs
 from .encoding import DEFAULT_ENCODING, encoding_info
