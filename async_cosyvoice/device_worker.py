@@ -92,12 +92,15 @@ def device_memory_bytes(device: str) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def serve_device(config_json: dict, conn, warmup: bool = True) -> None:
+def serve_device(config_json: dict, conn, warmup: bool = True, threads: int | None = None) -> None:
     """The worker process (spawned: CUDA cannot be forked): load (and warm up) a Synthesizer on
-    `model.device` of the single-device config, say ready, serve the pipe."""
+    `model.device` of the single-device config, say ready, serve the pipe. threads: torch's CPU
+    threads here (the host's cores shared by the workers, not each taking all of them)."""
     config = Config.model_validate(config_json)
     device = config.model.device
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s worker[{device}] %(name)s: %(message)s")
+    if threads is not None:
+        torch.set_num_threads(threads)
     if torch.device(device).type == "cuda":
         # whatever says just "cuda" (a stream, a graph pool, a library's default) means this worker's
         # card, not cuda:0 of every worker

@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 from typing import AsyncIterable, AsyncIterator
 
@@ -49,11 +50,12 @@ class DeviceWorker:
     """One device's worker process seen from the front: started (and restarted) here, spoken to
     over a pipe whose replies a reader thread hands to the event loop, one inbox per request."""
 
-    def __init__(self, config: Config, index: int, device: str, warmup: bool = True):
+    def __init__(self, config: Config, index: int, device: str, warmup: bool = True, threads: int | None = None):
         self.config = on_device(config, device)
         self.index = index
         self.device = device
         self.warmup = warmup
+        self.threads = threads
         self.state = "starting"   # serving, restarting (died, being started again), failed (given up), closed
         self.active = 0           # requests in flight here
         self.served = 0           # requests assigned so far
@@ -88,8 +90,8 @@ class DeviceWorker:
         ctx = multiprocessing.get_context("spawn")
         conn, child_end = ctx.Pipe()
         # not a daemon: the worker may start processes of its own (token2wav.process, vLLM's engine)
-        process = ctx.Process(target=serve_device, args=(self.config.model_dump(mode="json"), child_end, self.warmup),
-                              name=f"worker-{self.index}-{self.device}")
+        process = ctx.Process(target=serve_device, name=f"worker-{self.index}-{self.device}",
+                              args=(self.config.model_dump(mode="json"), child_end, self.warmup, self.threads))
         process.start()
         child_end.close()
         timeout = self.config.workers.start_timeout_s
@@ -272,7 +274,9 @@ class WorkerPool:
         # the workers load the directory the front resolved (the demo model is generated once)
         config = config.model_copy(update={"model": config.model.model_copy(update={"dir": model_dir.path})})
         front = await asyncio.to_thread(RequestFront.load, config, model_dir)
-        workers = [DeviceWorker(config, i, d, warmup=warmup) for i, d in enumerate(devices_of(config))]
+        devices = devices_of(config)
+        threads = max(1, (os.cpu_count() or 1) // len(devices))  # the host's cores shared by the workers
+        workers = [DeviceWorker(config, i, d, warmup=warmup, threads=threads) for i, d in enumerate(devices)]
         started = await asyncio.gather(*(w.start() for w in workers), return_exceptions=True)
         if failures := [r for r in started if isinstance(r, BaseException)]:
             await asyncio.gather(*(w.close() for w in workers))
