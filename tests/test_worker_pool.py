@@ -6,15 +6,18 @@ health stays SERVING (degraded), the worker comes back, and no speaker is lost."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import urllib.request
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from websockets.asyncio.client import connect as ws_connect
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.worker_pool import WorkerPool
@@ -33,7 +36,7 @@ def server(tiny_dir, tmp_path_factory):
     cfg = Config.model_validate({
         "model": {"dir": str(tiny_dir), "devices": ["cpu", "cpu"]},  # placement: workers (the default)
         "speakers": {"dir": str(spk)},
-        "server": {"port": 0, "metrics_port": 0, "grace_seconds": 5},
+        "server": {"port": 0, "metrics_port": 0, "http_port": 0, "grace_seconds": 5},
         "workers": {"restart_backoff_s": 0.2},
     })
     with ServerThread(cfg, ready_timeout=900) as st:
@@ -134,6 +137,44 @@ def test_bad_stream_input_and_bistream_through_a_worker(server, golden_dir):
     assert bad.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), bad
     assert not info.bistream or (chunks and chunks[-1].is_final)
     assert all(w.active == 0 for w in server.server.synthesizer.workers)
+
+
+def test_the_http_door_through_the_workers(server, golden_dir):
+    """The same pool behind the HTTP door: a voice registered there reaches both workers, speech
+    on both, a text stream over the WebSocket, and bad input refused with its status."""
+    pool = server.server.synthesizer
+    base = f"http://127.0.0.1:{server.server.http_port}"
+    wav = (golden_dir / "prompt_16k.wav").read_bytes()
+    r = httpx.post(base + "/v1/audio/voices", data={"id": "http_pool_voice", "transcript": PROMPT_TEXT},
+                   files={"audio": ("p.wav", wav, "audio/wav")}, timeout=300)
+    assert r.status_code == 201, r.text
+    served = [w.served for w in pool.workers]
+
+    async def speech():
+        async with httpx.AsyncClient(base_url=base, timeout=300) as http:
+            body = {"model": "tts-1", "input": TEXT, "voice": "http_pool_voice", "response_format": "pcm"}
+            return await asyncio.gather(*(http.post("/v1/audio/speech", json=body) for _ in range(2)))
+
+    replies = server.call(speech(), timeout=300)
+    assert [r.status_code for r in replies] == [200, 200] and all(len(r.content) > 0 for r in replies)
+    assert [w.served - n for w, n in zip(pool.workers, served)] == [1, 1]  # one each: both had the voice
+    missing = httpx.post(base + "/v1/audio/speech", json={"model": "tts-1", "input": TEXT, "voice": "nobody"},
+                         timeout=60)
+    assert missing.status_code == 404 and "nobody" in missing.text
+
+    async def websocket():
+        messages = [{"type": "config", "voice": "http_pool_voice", "format": "pcm", "options": {"seed": 2}},
+                    {"type": "text", "text": "Hello "}, {"type": "text", "text": "there."}, {"type": "end"}]
+        url = f"ws://127.0.0.1:{server.server.http_port}/v1/audio/speech/stream"
+        async with ws_connect(url, max_size=1 << 24) as ws:
+            for m in messages:
+                await ws.send(json.dumps(m))
+            return [json.loads(frame) async for frame in ws]
+
+    received = server.call(websocket(), timeout=300)
+    kinds = [m["type"] for m in received]
+    assert kinds[0] == "ready" and kinds[-1] == "done" and "audio" in kinds, kinds
+    assert all(w.active == 0 for w in pool.workers)
 
 
 def test_a_cancelled_request_is_aborted_in_its_worker(server, golden_dir):
