@@ -1,4 +1,6 @@
-"""The devices of a server (`model.devices`) and what each reports about its share of the work."""
+"""The devices of a server (`model.devices`), each checked against this torch build before anything
+loads (so `--device cuda` on a CPU-only torch is one clear error instead of a traceback from deep
+inside model loading), and what each reports about its share of the work."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +9,7 @@ import torch
 
 from .config import Config
 from .engine.base import EngineStats
+from .errors import ConfigError
 
 
 @dataclass
@@ -33,7 +36,7 @@ def devices_of(config: Config) -> list[str]:
     if devices == "all":
         found = visible_cuda_devices()
         if not found:
-            raise ValueError("model.devices is 'all' but no CUDA device is visible; list the devices instead")
+            raise ConfigError("model.devices is 'all' but no CUDA device is visible; list the devices instead")
         return found
     return list(devices) or [config.model.device]
 
@@ -41,3 +44,25 @@ def devices_of(config: Config) -> list[str]:
 def on_device(config: Config, device: str) -> Config:
     """The config of one device's part (a single-device config)."""
     return config.model_copy(update={"model": config.model.model_copy(update={"device": device, "devices": []})})
+
+
+def check_device(name: str) -> torch.device:
+    """The torch.device for `name`, or ConfigError saying what is wrong and what to do."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {name!r} is not a device name torch knows ({e}); use cpu, cuda or "
+                          "cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = ("is a build without CUDA: install a CUDA build of torch" if torch.version.cuda is None
+               else "sees no GPU: check the driver and CUDA_VISIBLE_DEVICES")
+        raise ConfigError(f"device {name}: this torch {torch.__version__} {why}, or run on the CPU with "
+                          "--device cpu (model.device: cpu)")
+    try:
+        torch.empty(0, device=device)
+    except (AssertionError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        count = torch.cuda.device_count() if device.type == "cuda" else None
+        seen = f" ({count} GPU(s) visible: cuda:0..cuda:{count - 1})" if count else ""
+        raise ConfigError(f"device {name} cannot be used: {first}{seen}") from None
+    return device

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterable, AsyncIterator, Literal
 
 from .config import Config
-from .errors import InvalidRequest, SpeakerExists, TextTimeout, Unsupported
+from .errors import InvalidRequest, TextTimeout, Unsupported
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
@@ -27,10 +27,11 @@ from .frontend.stream_text import StreamTextNormalizer
 from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .model_dir import ModelDir
+from .model_speakers import with_model_speakers
 from .request import FLUSH, Audio, SynthesisRequest, Voice
 from .rules import ENDOFPROMPT, RequestRules
 from .speaker_store import open_speaker_store
-from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
+from .speakers import SpeakerRecord, SpeakerStoreBase, VoiceFit, validate_speaker_id
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class RequestFront:
 
     @classmethod
     def load(cls, config: Config, model_dir: ModelDir) -> "RequestFront":
-        """The tokenizer, text normalizer, prompt encoder (ONNX, CPU) and speaker store (blocking)."""
+        """The tokenizer, text normalizer, prompt encoder (ONNX, CPU) and speaker store (blocking):
+        the configured store, its records checked against this model (VoiceFit), with the model
+        directory's own spk2info.pt speakers beside it (read-only, model_speakers.py)."""
         tokenizer = model_dir.tokenizer()
         try:
             text_frontend = TextFrontend(tokenizer)
@@ -84,8 +87,10 @@ class RequestFront:
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
+        speakers = with_model_speakers(open_speaker_store(config.speakers, fit=VoiceFit.of(model_dir.dims)),
+                                       model_dir.path, tokenizer.encode)
         return cls(config=config, tokenizer=tokenizer, text_frontend=text_frontend, prompt_encoder=prompt_encoder,
-                   speakers=open_speaker_store(config.speakers))
+                   speakers=speakers)
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False, cancel_futures=True)
@@ -103,7 +108,7 @@ class RequestFront:
             voice = (await self.in_cpu(self.speakers.get, request.speaker_id)).voice
             if spec.flow_prompt and voice.kind == "sft":
                 raise Unsupported(f"speaker {request.speaker_id!r} is an embedding-only (sft) speaker; "
-                                  f"mode {request.mode.value} needs a zero-shot speaker")
+                                  f"mode {request.mode.value} needs a zero-shot speaker: use mode sft for it")
             return voice if spec.flow_prompt else Voice.embedding_only(voice.embedding)
         # VC too gets the aligned prompt (upstream's frontend_vc skips the alignment, which makes
         # the flow's output length depend on the prompt's mel/token mismatch)
@@ -124,8 +129,7 @@ class RequestFront:
         validate_speaker_id(speaker_id)
         self.rules.check_text(prompt_text, "prompt_text")
         self.rules.check_prompt(audio, "prompt_audio")
-        if not overwrite and await self.in_cpu(self.speakers.exists, speaker_id):
-            raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
+        await self.in_cpu(self.speakers.check_put, speaker_id, overwrite)
         record = SpeakerRecord(speaker_id, await self.in_cpu(self.encode_voice, audio, prompt_text))
         await self.in_cpu(self.speakers.put, record, overwrite)
         return record

@@ -24,6 +24,7 @@ import torch
 
 from .config import Config
 from .demo import resolve_model_dir
+from .devices import check_device
 from .engine import create_engine
 from .engine.base import (
     BistreamRequest,
@@ -35,7 +36,9 @@ from .engine.base import (
 )
 from .errors import (
     InvalidRequest,
+    SpeakerCorrupt,
     SpeakerNotFound,
+    StoreUnavailable,
 )
 from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
 from .loop_thread import LoopThread
@@ -142,8 +145,8 @@ class Synthesizer:
 
     @classmethod
     def _build(cls, config: Config, token2wav: Callable[[ModelDir], Token2WavBatcher] | None) -> "Synthesizer":
+        device = check_device(config.model.device)
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
-        device = torch.device(config.model.device)
         if compile_in_use(config):
             use_compile_cache(config)
         # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
@@ -175,10 +178,15 @@ class Synthesizer:
         dtype = getattr(torch, self.config.model.flow_dtype)
         flow = self.dims.flow
         chosen, size = [], 0
-        for info in sorted(await self._in_cpu(self.speakers.infos), key=lambda i: -i.created_at):
+        try:
+            infos = await self._in_cpu(self.speakers.infos)
+        except StoreUnavailable as e:  # health stays NOT_SERVING until the store answers (the server's watch)
+            log.warning("no speaker prompt prefixes computed at start: %s", e)
+            return 0
+        for info in sorted(infos, key=lambda i: -i.created_at):
             if len(chosen) >= self.config.warmup.max_speakers:
                 break
-            tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.encoder.static_chunk_size, flow.pre_lookahead_len)
+            tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.chunk_tokens, flow.pre_lookahead_len)
             if info.kind == "sft" or tokens == 0:
                 continue
             size += state_nbytes(flow, tokens, dtype)
@@ -190,6 +198,9 @@ class Synthesizer:
             try:
                 record = await self._in_cpu(self.speakers.get, speaker_id)
             except SpeakerNotFound:  # deleted since the listing
+                continue
+            except (SpeakerCorrupt, StoreUnavailable) as e:  # logged by the store; the others still start
+                log.warning("start-up skips speaker %r: %s", speaker_id, e)
                 continue
             await self._prepare_prefix(record)
         if chosen:
