@@ -115,6 +115,38 @@ def test_speaker_errors_come_back_with_their_status(server):
     assert error.code() == grpc.StatusCode.NOT_FOUND and "nobody" in error.details()
 
 
+def test_model_dir_speakers_through_the_workers(server, golden_dir):
+    """The fixture's spk2info.pt speakers, beside the store of the front (RequestFront): the sft one
+    speaks on a worker, asked for in a zero-shot mode it says to use mode sft, and the read-only
+    ones refuse a registration or a deletion with their status."""
+    prompt = (golden_dir / "prompt_24k.wav").read_bytes()
+
+    async def refused(call) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call
+        return error.value
+
+    async def scenario():
+        async with CosyVoiceClient(server.target) as client:
+            spoken = [c async for c in client.synthesize(TEXT, mode="sft", speaker_id="tiny_sft_spk", max_tokens=20,
+                                                         encoding="float32")]
+
+            async def zero_shot_of_sft():
+                async for _ in client.synthesize(TEXT, mode="zero_shot_by_spk_id", speaker_id="tiny_sft_spk"):
+                    pass
+
+            return (spoken, await refused(zero_shot_of_sft()),
+                    await refused(client.register_speaker("tiny_zs_spk", PROMPT_TEXT, prompt)),
+                    await refused(client.delete_speaker("tiny_zs_spk")))
+
+    spoken, sft_hint, register, delete = server.call(scenario(), timeout=300)
+    assert spoken[-1].is_final and sum(len(chunk_samples(c)) for c in spoken) > 0
+    assert sft_hint.code() == grpc.StatusCode.FAILED_PRECONDITION and "use mode sft" in sft_hint.details()
+    assert register.code() == grpc.StatusCode.ALREADY_EXISTS and "read-only" in register.details()
+    assert delete.code() == grpc.StatusCode.FAILED_PRECONDITION and "read-only" in delete.details()
+    assert all(w.active == 0 for w in server.server.synthesizer.workers)
+
+
 def test_bad_stream_input_and_bistream_through_a_worker(server, golden_dir):
     prompt = (golden_dir / "prompt_24k.wav").read_bytes()
 
