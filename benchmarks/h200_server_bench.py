@@ -22,7 +22,8 @@ Steps (each timed; the results say how long):
    load weights, compile, capture, warm-up requests, save compile cache; the CUDA graphs
    captured; whether the persistent compile cache hit);
 4. a speaker registered over gRPC from a generated 6 s prompt (150 prompt tokens); the first
-   request after SERVING (cold) is timed on its own;
+   request after SERVING (cold) is timed on its own, with the server's split of its first chunk
+   (until its tokens / waiting for a token2wav batch / the batch);
 5. warm-up: one untimed round of short requests at each closed-loop level (the speaker registered
    while serving was warmed at 1-8 streams only; step 4 measured the cold path);
 6. the closed-loop sweep 1, 4, 16, 32, 64 streams of 250 forced tokens (10 s of audio),
@@ -33,7 +34,7 @@ Steps (each timed; the results say how long):
 8. the server is stopped (SIGINT, then SIGKILL after 30 s);
 9. restart: the same server started again (same speaker store, same torch.compile cache): time to
    SERVING and its phase table, its first request (the registered speaker is warmed at start-up)
-   and three warm ones.
+   and three warm ones, each with the first-chunk split.
 Steps 3-8 (`server_config`, `run_server`, `measure_server`) are also the per-setup code of
 benchmarks/multi_gpu_server_bench.py.
 Every level reports the server's own stage counters (LLM steps, token2wav batches: busy
@@ -344,7 +345,8 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
         workload = bench.Workload(tokens=plan["tokens"], seed=seed, speaker_id=speaker.speaker_id)
         results["meta"]["workload"] = workload.to_json()
 
-        cold = await bench.run_level(target, workload, 1, 1, detail=True, label="first request after SERVING")
+        cold = await bench.run_level(target, workload, 1, 1, detail=True, label="first request after SERVING",
+                                     stages=stages)
         results["first_request"] = cold
 
         async def warm():
@@ -383,12 +385,13 @@ async def measure_restart(plan: dict, server: ServerProcess, results: dict, phas
         log(f"restarted server SERVING {phases['restart_start_s']:.1f} s after spawn")
         startup = startup_json(await client.get_server_info(), phases["restart_start_s"])
         target = bench.GrpcTarget(client)
+        stages = bench.PrometheusStages(server.metrics)
         results["restart"] = {
             "start_s": phases["restart_start_s"],
             "startup": startup,
-            "first_request": await bench.run_level(target, workload, 1, 1, detail=True,
+            "first_request": await bench.run_level(target, workload, 1, 1, detail=True, stages=stages,
                                                    label="first request after a restart"),
-            "warm": await bench.run_level(target, workload, 1, 3, label="after a restart, warm")}
+            "warm": await bench.run_level(target, workload, 1, 3, label="after a restart, warm", stages=stages)}
 
 
 def startup_json(info, spawn_to_serving_s: float) -> dict:
@@ -417,6 +420,27 @@ def format_startup(results: dict) -> str:
         if s["cuda_graphs"]:
             out.append(f"{name} graphs: " + ", ".join(f"{k} {v}" for k, v in sorted(s["cuda_graphs"].items())))
     return "\n".join(out)
+
+
+def format_first_requests(results: dict) -> str:
+    """The first request after each start against warm ones: the first chunk and where it went
+    (the server's first-chunk parts: until its tokens / waiting for a token2wav batch / the batch)."""
+    by_c = {lv["concurrency"]: lv for lv in results.get("levels", [])}
+    restart = results.get("restart") or {}
+    runs = [("first request after SERVING", results.get("first_request")), ("warm, 1 stream", by_c.get(1)),
+            ("first request after the restart", restart.get("first_request")),
+            ("after the restart, warm", restart.get("warm"))]
+    lines = []
+    for label, lv in runs:
+        if not lv or lv["first_chunk_s"]["p50"] is None:
+            continue
+        st = lv.get("stages") or {}
+        parts = [(st.get(f"first_chunk_{p}") or {}).get("ms_per_call") for p in ("tokens", "wait", "t2w")]
+        split = " / ".join("-" if v is None else f"{v:.1f}" for v in parts)
+        lines.append(f"  {label:<34}{1e3 * lv['first_chunk_s']['p50']:8.1f} ms   ({split} ms)")
+    if not lines:
+        return ""
+    return "\n".join(["first chunk p50 (tokens / wait / t2w, the server's means):"] + lines)
 
 
 def summary_rows(results: dict) -> list[dict]:
@@ -541,8 +565,9 @@ def main(argv=None) -> int:
         text += ["skipped to stay within --budget-s: " + ", ".join(results["skipped"]), ""]
     for name, trace in (results.get("phase_errors") or {}).items():
         text += [f"phase {name} FAILED:", trace.rstrip(), ""]
-    if format_startup(results):
-        text += [format_startup(results), ""]
+    for block in (format_startup(results), format_first_requests(results)):
+        if block:
+            text += [block, ""]
     text += [format_summary(results["summary"]), "", "phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())]
     table = "\n".join(text)
     print(table)

@@ -373,6 +373,9 @@ def test_h200_server_script_quick_on_cpu(tmp_path):
         assert start["compile_cache"] == "off"  # CPU: nothing compiled
     table = (tmp_path / "server_table.txt").read_text()
     assert "through the gRPC server:" in table and "start-up (seconds):" in table and "warm-up requests" in table
+    # where the first requests' first chunks went, as the server counted them
+    assert r["restart"]["first_request"]["stages"]["first_chunk_t2w"]["calls"] == 1
+    assert "first request after the restart" in table
     assert {"server-latency.png", "server-first_chunk_hist.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
