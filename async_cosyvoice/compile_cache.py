@@ -235,6 +235,12 @@ def compile_cache_dir(config: Config) -> Path:
     return Path(config.warmup.compile_cache_dir or cache_root() / "torch-compile").expanduser()
 
 
+def _expected_guard_drops(record: logging.LogRecord) -> bool:
+    """Precompile drops Dynamo's guards on global modules (`torch`, `torch.nn.functional`, ...), which
+    torch warns about once per guard per compiled frame: dozens of expected lines at every start."""
+    return "is dropped with caching_precompile" not in record.getMessage()
+
+
 def use_compile_cache(config: Config) -> Path:
     """torch.compile's caches in `compile_cache_dir(config)` (and Dynamo's frames kept too with
     `warmup.precompile`). Inductor reads the folder when it first compiles, so this runs before the
@@ -245,6 +251,7 @@ def use_compile_cache(config: Config) -> Path:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(chosen)
     if config.warmup.precompile:
         torch._dynamo.config.caching_precompile = True
+        logging.getLogger("torch._dynamo.guards").addFilter(_expected_guard_drops)
     log.info("torch.compile cache: %s", chosen)
     return chosen
 

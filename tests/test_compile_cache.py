@@ -21,6 +21,7 @@ from async_cosyvoice.compile_cache import (
     encode,
     model_fingerprint,
     open_compile_cache,
+    use_compile_cache,
 )
 from async_cosyvoice.config import Config
 
@@ -104,6 +105,20 @@ def test_key_covers_torch_device_model_dtypes_and_graph_config(tiny_dir):
     assert CompileCacheKey.for_server(bigger, tiny_dir, torch.device("cpu")).differences(key.fields) == [
         f"graph_config: {key.fields['graph_config']} -> "
         f"{CompileCacheKey.for_server(bigger, tiny_dir, torch.device('cpu')).fields['graph_config']}"]
+
+
+def test_precompile_is_switched_on_and_its_expected_guard_warnings_are_quiet(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "recorded, so that teardown restores what was there")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    config = Config.model_validate({"warmup": {"precompile": True, "compile_cache_dir": str(tmp_path / "tc")}})
+    guards = logging.getLogger("torch._dynamo.guards")
+    with torch._dynamo.config.patch(caching_precompile=False):
+        assert use_compile_cache(config) == tmp_path / "tc"
+        assert torch._dynamo.config.caching_precompile
+        with caplog.at_level(logging.WARNING, logger=guards.name):
+            guards.warning("MODULE_MATCH guard on G['torch'] is dropped with caching_precompile=True.")
+            guards.warning("another guard warning")
+    assert [r.getMessage() for r in caplog.records if r.name == guards.name] == ["another guard warning"]
 
 
 def test_open_compile_cache_off(tmp_path, tiny_dir):
