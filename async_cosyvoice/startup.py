@@ -107,7 +107,7 @@ class Startup:
 
     def __init__(self):
         self.started = time.monotonic()
-        self.step = "starting"
+        self.step = "loading the model"  # until the first span names its step
         self.compile_cache = "off"
         self._spans: Counter = Counter()   # "load weights" | "warm-up" | "save compile cache" -> wall seconds
         self._compile0 = compile_seconds()
