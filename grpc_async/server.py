@@ -39,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.devices import check_device
+from async_cosyvoice.devices import check_device, devices_of
 from async_cosyvoice.errors import (
     ConfigError,
     CosyVoiceError,
@@ -49,7 +49,7 @@ from async_cosyvoice.errors import (
 )
 from async_cosyvoice.heap import fix_mmap_threshold
 from async_cosyvoice.loop_thread import LoopThread
-from async_cosyvoice.placement import create_synthesizer, devices_of
+from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.tts import Synthesizer
 
@@ -265,7 +265,8 @@ class CosyVoiceServer:
             if self._factory is not None:
                 synth = await self._factory(self.config)
             else:
-                synth = await create_synthesizer(self.config)  # one device, or several (model.devices)
+                # one device, or several (model.devices); the servicer's Startup follows the steps
+                synth = await create_synthesizer(self.config, startup=self.servicer.startup)
         self.servicer.synth = synth
         log.info("speaker store: %r", synth.speakers)
         self.metrics.bind_engine(synth.engine_stats)
@@ -278,6 +279,7 @@ class CosyVoiceServer:
         if self.servicer.closing:
             return
         self._engine_watch = asyncio.create_task(self._watch_engine(synth))
+        self.metrics.record_startup(self.servicer.startup.finish())
         self.metrics.ready.set(1)
         self._store_watch = StoreWatch(synth.speakers, self._store_reachable)
         if synth.speakers.reachable:

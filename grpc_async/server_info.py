@@ -4,7 +4,9 @@ from __future__ import annotations
 from importlib import metadata
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.tts import default_text_mode
+from async_cosyvoice.placement import device_stats
+from async_cosyvoice.request_front import default_text_mode
+from async_cosyvoice.startup import Startup
 
 from ._stubs import load as _load_stubs
 from .encoding import DEFAULT_ENCODING, encoding_info
@@ -24,8 +26,17 @@ def _version() -> str:
         return "0+source"
 
 
-def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
-    """`synth`: the Synthesizer, or None while the model loads."""
+def startup_info(startup: Startup) -> pb2.Startup:
+    report = startup.report
+    if report is None:
+        return pb2.Startup(step=startup.status(), compile_cache=startup.compile_cache)
+    return pb2.Startup(step="serving", seconds=report.total_s, compile_cache=report.compile_cache,
+                       phases=[pb2.StartupPhase(name=n, seconds=s) for n, s in report.phases.items()],
+                       cuda_graphs=report.captured)
+
+
+def server_info(config: Config, synth, startup: Startup | None = None) -> pb2.GetServerInfoResponse:
+    """`synth`: the Synthesizer, or None while the model loads; `startup`: the server's start."""
     limits = config.limits
     return pb2.GetServerInfoResponse(
         model=config.server.served_model_name or DEFAULT_MODEL_NAME,
@@ -44,4 +55,16 @@ def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
         default_text_mode=(pb2.TEXT_MODE_UNSPECIFIED if synth is None else
                            TEXT_MODES[default_text_mode(synth.supports_bistream)]),
         ready=synth is not None and synth.ready,
-        version=_version())
+        version=_version(),
+        degraded=synth is not None and getattr(synth, "degraded", False),
+        devices=[] if synth is None else device_infos(synth),
+        startup=startup_info(startup) if startup is not None else None)
+
+
+def device_infos(synth) -> list:
+    """One DeviceInfo per device of a server on several devices (none with one device)."""
+    stats = device_stats(synth)
+    if len(stats) == 1 and stats[0].role == "all":
+        return []
+    return [pb2.DeviceInfo(device=s.device, role=s.role, state=s.state, active=s.active, restarts=s.restarts)
+            for s in stats]
