@@ -167,7 +167,8 @@ class Synthesizer:
                         "(upstream's behaviour when no normalizer is installed)", e)
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
-        prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
+        prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat,
+                                                      speech_tokenizer=model_dir.speech_tokenizer_onnx.name)
         speakers = open_speaker_store(config.speakers)
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)

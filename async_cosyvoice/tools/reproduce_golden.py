@@ -4,9 +4,11 @@
 
 Reads MODEL_DIR/golden/inputs.json, prompt_16k.wav, prompt_24k.wav, the model dir's spk2info.pt,
 and only the input keys of the golden npz files (flow: token, prompt_token, prompt_feat,
-embedding; hift: mel1, mel2, zero/cache_source_for_2, seeded/torch_seed and draws; ras: scores
-and histories; e2e: token, prompt, token_hop_len; llm: forced tokens). Writes OUT_DIR files
-named and keyed like the golden ones, so `compare` can diff them array by array.
+embedding; hift: mel1, mel2, zero/cache_source_for_2, seeded/torch_seed and draws; ras: scores,
+histories and ignore_eos; e2e: token, prompt, token_hop_len; llm: forced tokens, the silence
+cap's sampled ids). Writes OUT_DIR files named and keyed like the golden ones, so `compare` can
+diff them array by array. A CosyVoice3 directory (its kind is read from the directory) gets the
+same stages with CosyVoice3's ids, system prompt and silence cap.
 """
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ import numpy as np
 import torch
 
 from ..engine.base import length_limits
+from ..engine.silence import SilenceCap
 from ..frontend import audio as A
-from ..frontend.model_input import build_model_input
+from ..frontend.model_input import SystemPrompt, build_model_input
 from ..frontend.prompt import PromptEncoder
 from ..frontend.spk2info import load_spk2info
 from ..frontend.text import write_text_golden
-from ..model_dir import ModelDir, Models, build_models, load_model_dir
-from ..models.dims import EOS_TOKEN
+from ..model_dir import TOKEN2WAV_CLASSES, ModelDir, Models, build_models, load_model_dir
 from ..models.hift import NSFNoise
 from ..request import Mode, Voice
 from ..sampling import nucleus, ras_sample
@@ -102,6 +104,7 @@ def _parse_call(call: str) -> tuple[str, list]:
 
 def model_inputs(ctx: Context) -> dict[str, np.ndarray]:
     tok = ctx.model_dir.tokenizer()
+    system = SystemPrompt.for_tokenizer(tok.encode, ctx.model_dir.kind)
     texts = ctx.inputs["texts"]
     speakers = load_spk2info(ctx.model_dir.spk2info_path, tok.encode) if ctx.model_dir.spk2info_path else {}
 
@@ -122,18 +125,19 @@ def model_inputs(ctx: Context) -> dict[str, np.ndarray]:
             v = voice(wav, spk)
             if not spk:
                 v = v.with_transcript(text(prompt), tok.encode(text(prompt)))
-            mi = build_model_input(mode, v, text_tokens=tok.encode(text(tts)))
+            mi = build_model_input(mode, v, text_tokens=tok.encode(text(tts)), system_prompt=system)
         elif fn == "frontend_cross_lingual":
             tts, wav, _, spk = args
-            mi = build_model_input(Mode.CROSS_LINGUAL, voice(wav, spk), text_tokens=tok.encode(text(tts)))
+            mi = build_model_input(Mode.CROSS_LINGUAL, voice(wav, spk), text_tokens=tok.encode(text(tts)),
+                                   system_prompt=system)
         elif fn == "frontend_instruct2":
             tts, instruct, wav, _, spk = args
             mi = build_model_input(Mode.INSTRUCT2, voice(wav, spk), text_tokens=tok.encode(text(tts)),
-                                   instruction_tokens=tok.encode(text(instruct)))
+                                   instruction_tokens=tok.encode(text(instruct)), system_prompt=system)
         elif fn == "frontend_sft":
             tts, spk = args
             mi = build_model_input(Mode.SFT, Voice.embedding_only(speakers[spk].embedding),
-                                   text_tokens=tok.encode(text(tts)))
+                                   text_tokens=tok.encode(text(tts)), system_prompt=system)
         else:
             raise ValueError(f"unsupported frontend call {fn} in {call!r}")
         out.update({f"{name}/{k}": v for k, v in mi.to_upstream_dict().items()})
@@ -146,8 +150,10 @@ def model_inputs(ctx: Context) -> dict[str, np.ndarray]:
 def llm(ctx: Context, mi: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     golden = ctx.npz("llm.npz")
     lm = ctx.models.llm
-    cases = sorted({k.split("/")[0] for k in golden.files})
+    cases = sorted({k.split("/")[0] for k in golden.files} - {"silent_filter"})
     out = {}
+    if "silent_filter/sampled" in golden.files:
+        out.update(silent_filter(lm.ids, lm.dims.silent_tokens, golden["silent_filter/sampled"]))
     for case in cases:
         forced = [int(t) for t in golden[f"{case}/forced_tokens"]]
         prompt_text = mi.get(f"{case}/prompt_text", np.zeros((1, 0), np.int32))
@@ -169,7 +175,8 @@ def llm(ctx: Context, mi: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         logits = torch.stack(logits_rows).float()
         logp = logits.log_softmax(-1)
         sampler_in = logp.clone()
-        sampler_in[:min_len, EOS_TOKEN] = -float("inf")
+        sampler_in[:min_len, lm.ids.min_len_masked] = -float("inf")
+        masked_ids = [lm.ids.min_len_masked if step < min_len else -1 for step in range(len(forced))]
         full_in = torch.cat([x, lm.embed_speech(torch.tensor(forced[:-1]))[None]], dim=1)
         full_h = lm.backbone(full_in, torch.arange(full_in.shape[1])[None])
         full_logp = lm.logits(full_h[0, L - 1:]).float().log_softmax(-1)
@@ -177,17 +184,33 @@ def llm(ctx: Context, mi: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             f"{case}/lm_input": _np(x), f"{case}/min_len": np.array([min_len], np.int64),
             f"{case}/max_len": np.array([max_len], np.int64), f"{case}/hidden_last": _np(torch.stack(hidden_rows)),
             f"{case}/logits": _np(logits), f"{case}/logp": _np(logp), f"{case}/sampler_in": _np(sampler_in),
-            f"{case}/full_forward_logp": _np(full_logp),
+            f"{case}/full_forward_logp": _np(full_logp), f"{case}/sampler_masked_ids": np.array(masked_ids, np.int64),
         })
     return out
+
+
+def silent_filter(ids, silent_tokens, sampled) -> dict[str, np.ndarray]:
+    """upstream llm_job fed by a sampler returning `sampled`: the LM emits up to the first stop id,
+    the silence cap decides what reaches the flow, the LM's history holds every emitted token."""
+    emitted = []
+    for t in (int(x) for x in sampled):
+        if ids.is_stop(t):
+            break
+        emitted.append(t)
+    cap = SilenceCap(silent_tokens)
+    return {"silent_filter/kept": np.array(cap.filter(emitted), np.int64),
+            "silent_filter/decoded_history_last_step": np.array(emitted, np.int64)}
 
 
 def ras(ctx: Context) -> dict[str, np.ndarray]:
     golden = ctx.npz("ras.npz")
     params = ctx.model_dir.dims.sampling
+    masked_id = ctx.model_dir.dims.lm.ids.min_len_masked
     out = {}
     for case in sorted({k.split("/")[0] for k in golden.files}):
-        scores = torch.from_numpy(golden[f"{case}/weighted_scores"])
+        scores = torch.from_numpy(golden[f"{case}/weighted_scores"]).clone()
+        if f"{case}/ignore_eos" in golden.files and int(golden[f"{case}/ignore_eos"][0]):
+            scores[masked_id] = -float("inf")  # upstream sampling_ids(ignore_eos=True)
         decoded = [int(t) for t in golden[f"{case}/decoded_tokens"]]
         ids, probs = nucleus(scores, params.top_p, params.top_k)
         out[f"{case}/nucleus_ids"] = _np(ids).astype(np.int64)
@@ -288,7 +311,9 @@ def reproduce(model_dir: str | Path, out_dir: str | Path, threads: int | None = 
     golden = md.path / "golden"
     if not (golden / "inputs.json").is_file():
         raise FileNotFoundError(f"{golden / 'inputs.json'} not found: {md.path} has no golden inputs")
-    ctx = Context(md, golden, build_models(md), PromptEncoder.from_model_dir(md.path, mel=md.dims.feat),
+    encoder = PromptEncoder.from_model_dir(md.path, mel=md.dims.feat, speech_tokenizer=md.speech_tokenizer_onnx.name)
+    token2wav = md.kind in TOKEN2WAV_CLASSES
+    ctx = Context(md, golden, build_models(md, with_token2wav=token2wav), encoder,
                   json.loads((golden / "inputs.json").read_text(encoding="utf-8")))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -305,6 +330,8 @@ def reproduce(model_dir: str | Path, out_dir: str | Path, threads: int | None = 
         save("llm.npz", llm(ctx, mi))
     if (golden / "ras.npz").is_file():
         save("ras.npz", ras(ctx))
+    if not token2wav:
+        return written
     if (golden / "flow.npz").is_file():
         save("flow.npz", flow(ctx))
     if (golden / "hift.npz").is_file():
