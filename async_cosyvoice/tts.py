@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Iterator, Literal
 
+import numpy as np
 import torch
 
 from .config import Config
@@ -35,6 +36,7 @@ from .engine.base import (
     first_death,
     length_limits,
 )
+from .engine.silence import SilenceCap, cap_silences
 from .errors import (
     InvalidRequest,
     SpeakerExists,
@@ -42,7 +44,7 @@ from .errors import (
     TextTimeout,
     Unsupported,
 )
-from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
+from .frontend.model_input import MODE_SPECS, ModelInput, SystemPrompt, build_model_input, instruction_text
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
 from .frontend.stream_text import StreamTextNormalizer
@@ -60,7 +62,7 @@ from .request import (
     SynthesisRequest,
     Voice,
 )
-from .rules import ENDOFPROMPT, RequestRules
+from .rules import RequestRules
 from .speaker_store import open_speaker_store
 from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 from .stage_stats import StageStats, totals
@@ -123,6 +125,8 @@ class Synthesizer:
         self.dims = model_dir.dims
         self.sample_rate = self.dims.sample_rate
         self.tokenizer = tokenizer
+        # CosyVoice3: `You are a helpful assistant.<|endofprompt|>` where a request's LM text lacks it
+        self.system_prompt = SystemPrompt.for_tokenizer(tokenizer.encode, self.dims.kind)
         self.text_frontend = text_frontend
         self.prompt_encoder = prompt_encoder
         self.speakers = speakers
@@ -199,8 +203,8 @@ class Synthesizer:
         for info in sorted(await self._in_cpu(self.speakers.infos), key=lambda i: -i.created_at):
             if len(chosen) >= self.config.warmup.max_speakers:
                 break
-            tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.encoder.static_chunk_size, flow.pre_lookahead_len)
-            if info.kind == "sft" or tokens == 0:
+            tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.chunk_tokens, flow.pre_lookahead_len)
+            if info.kind == "sft" or tokens == 0 or info.model_kind != self.dims.kind:
                 continue
             size += state_nbytes(flow, tokens, dtype)
             if size > t2w.flow_cache_speaker_bytes:
@@ -254,7 +258,13 @@ class Synthesizer:
         transcript where the mode uses one) or a stored speaker. Every mode takes a prepared voice."""
         spec = MODE_SPECS[request.mode]
         if spec.voice == "speaker":
-            voice = (await self._in_cpu(self.speakers.get, request.speaker_id)).voice
+            record = await self._in_cpu(self.speakers.get, request.speaker_id)
+            if record.model_kind != self.dims.kind:
+                raise Unsupported(
+                    f"speaker {request.speaker_id!r} was registered with a {record.model_kind} model and this "
+                    f"server runs {self.dims.kind}: its speech tokens and prompt mel belong to the other model; "
+                    "register the speaker again on this server (under another id, or with overwrite)")
+            voice = record.voice
             if spec.flow_prompt and voice.kind == "sft":
                 raise Unsupported(f"speaker {request.speaker_id!r} is an embedding-only (sft) speaker; "
                                   f"mode {request.mode.value} needs a zero-shot speaker")
@@ -281,7 +291,8 @@ class Synthesizer:
         self.rules.check_prompt(audio, "prompt_audio")
         if not overwrite and await self._in_cpu(self.speakers.exists, speaker_id):
             raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
-        record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text))
+        record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text),
+                               model_kind=self.dims.kind)
         await self._in_cpu(self.speakers.put, record, overwrite)
         try:
             await self.prepare_speaker(record)
@@ -342,8 +353,8 @@ class Synthesizer:
         if not segments:
             raise InvalidRequest("text has nothing to speak after normalization (only punctuation?)")
         instruction = await self._in_cpu(self._instruction_tokens, request)
-        return [build_model_input(request.mode, voice, text_tokens=t, instruction_tokens=instruction)
-                for t in segments]
+        return [build_model_input(request.mode, voice, text_tokens=t, instruction_tokens=instruction,
+                                  system_prompt=self.system_prompt) for t in segments]
 
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
                                 text_mode: TextMode | None = None,
@@ -383,7 +394,8 @@ class Synthesizer:
         pieces = checked_pieces(text, self.config.limits.text_idle_seconds)
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
-            model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
+            model_input = build_model_input(request.mode, voice, instruction_tokens=instruction,
+                                            system_prompt=self.system_prompt)
             fed = TextFed()
             normalizer = (StreamTextNormalizer(self.text_frontend, enabled=request.options.text_frontend)
                           if normalization == "safe" else None)
@@ -402,7 +414,7 @@ class Synthesizer:
                 segments = await self._in_cpu(self._text_segments, item, request.options.text_frontend)
                 for tokens in segments:
                     model_input = build_model_input(request.mode, voice, text_tokens=tokens,
-                                                    instruction_tokens=instruction)
+                                                    instruction_tokens=instruction, system_prompt=self.system_prompt)
                     async for chunk in self._utterance(request, model_input, n, playback, last=False).run():
                         yield chunk
                     n += 1
@@ -476,10 +488,8 @@ class Synthesizer:
     def _instruction_tokens(self, request: SynthesisRequest) -> list[int]:
         if MODE_SPECS[request.mode].lm_prompt_text != "instruction":
             return []
-        instruction = request.instruct_text
-        if ENDOFPROMPT not in instruction:  # upstream HEAD requires the caller to add it
-            instruction += ENDOFPROMPT
-        return self.tokenizer.encode(instruction)
+        # upstream HEAD requires the caller to add <|endofprompt|> (CosyVoice3: and the system prompt)
+        return self.tokenizer.encode(instruction_text(request.instruct_text, self.dims.kind))
 
     def _utterance(self, request: SynthesisRequest, model_input: ModelInput, segment: int, playback: Playback,
                    *, last: bool, text_tokens: AsyncIterator[list[int]] | None = None,
@@ -507,13 +517,17 @@ class Synthesizer:
                 self.engine.generate_bistream(self._bistream_request(request, model_input), text_tokens), fed)
         else:
             speech = self.engine.generate(self._generation_request(request, model_input, segment))
+        if self.dims.lm.silent_tokens:  # CosyVoice3: long silences never reach the flow (the LM saw them)
+            speech = cap_silences(speech, SilenceCap(self.dims.lm.silent_tokens))
         return Utterance(segment, t2w, batcher, playback, last=last, adaptive=adaptive, speech=speech)
 
     def _bistream_request(self, request: SynthesisRequest, model_input: ModelInput) -> BistreamRequest:
         opts = request.options
         return BistreamRequest(
             request_id=self._engine_request_id(request, 0),
-            prompt_text_tokens=tuple(int(t) for t in model_input.prompt_text),
+            # the LM text known up front: the prompt text, and CosyVoice3's system prompt where a mode
+            # without prompt text carries it in front of its (streamed) text
+            prompt_text_tokens=tuple(int(t) for t in np.concatenate([model_input.prompt_text, model_input.text])),
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             # the engine's own bound; the length rule proper is _length_rule
             max_tokens=opts.max_tokens or self.config.engine.max_model_len, ras=self._ras(opts), seed=opts.seed)

@@ -20,10 +20,10 @@ import numpy as np
 
 from ..errors import InvalidRequest
 from ..request import Mode, Voice
+from .tokenizer import ENDOFPROMPT
 
 PromptTextSource = Literal["transcript", "instruction"]
 SYSTEM_PROMPT = "You are a helpful assistant."
-ENDOFPROMPT = "<|endofprompt|>"
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,11 @@ class FlowDims:
     estimator: EstimatorDims = field(default_factory=EstimatorDims)
     cfm: CFMParams = field(default_factory=CFMParams)
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per streaming attention chunk (the encoder's static_chunk_size)."""
+        return self.encoder.static_chunk_size
+
 
 @dataclass(frozen=True)
 class DiTDims:
@@ -194,6 +199,11 @@ class DiTFlowDims:
     lookahead_channels: int = 1024  # pre_lookahead_layer.channels
     estimator: DiTDims = field(default_factory=DiTDims)
     cfm: CFMParams = field(default_factory=CFMParams)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per streaming attention chunk (the DiT's static_chunk_size is in mel frames)."""
+        return self.estimator.static_chunk_size // self.token_mel_ratio
 
 
 @dataclass(frozen=True)
