@@ -523,11 +523,15 @@ class Synthesizer:
 
     def _bistream_request(self, request: SynthesisRequest, model_input: ModelInput) -> BistreamRequest:
         opts = request.options
+        prompt = np.concatenate([model_input.prompt_text, model_input.text])
+        system_len = 0
+        if self.system_prompt is not None:  # CosyVoice3: through the first <|endofprompt|> goes in with sos
+            system_len = int(np.flatnonzero(prompt == self.system_prompt.endofprompt)[0]) + 1
         return BistreamRequest(
             request_id=self._engine_request_id(request, 0),
             # the LM text known up front: the prompt text, and CosyVoice3's system prompt where a mode
             # without prompt text carries it in front of its (streamed) text
-            prompt_text_tokens=tuple(int(t) for t in np.concatenate([model_input.prompt_text, model_input.text])),
+            prompt_text_tokens=tuple(int(t) for t in prompt), system_prompt_len=system_len,
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             # the engine's own bound; the length rule proper is _length_rule
             max_tokens=opts.max_tokens or self.config.engine.max_model_len, ras=self._ras(opts), seed=opts.seed)

@@ -235,7 +235,7 @@ def test_native_engine_greedy_matches_the_reference_loop(md, tiny3_dir):
 def test_bistream_schedule_puts_the_system_prompt_after_sos():
     ids = SpeechIds.of("cosyvoice3")
     prompt = [7, 8, 151646, 20, 21, 22]
-    s = BistreamSchedule(prompt, [], (5, 15), ids=ids)
+    s = BistreamSchedule(prompt, [], (5, 15), ids=ids, system_len=3)
     assert s.next_input() is None  # waits for the first text token
     s.add_text([30])
     first = s.next_input()
@@ -244,7 +244,7 @@ def test_bistream_schedule_puts_the_system_prompt_after_sos():
     assert s.fill_index == 15
     with pytest.raises(UnexpectedStopToken):
         s.accept(6562)  # CosyVoice3's EOS while text streams: upstream raises
-    s2 = BistreamSchedule(prompt, [], (5, 15), ids=ids)
+    s2 = BistreamSchedule(prompt, [], (5, 15), ids=ids, system_len=3)
     s2.add_text([30])
     s2.next_input()
     for _ in range(15):
@@ -254,7 +254,7 @@ def test_bistream_schedule_puts_the_system_prompt_after_sos():
     final = s2.next_input()
     assert final[-1] == (Table.SPEECH, (6563,))  # task
     assert s2.accept(6562) is Verdict.END
-    with pytest.raises(ValueError, match="<|endofprompt|>"):
+    with pytest.raises(ValueError, match="must begin with its system part"):
         BistreamSchedule([1, 2], [], (5, 15), ids=ids)
 
 

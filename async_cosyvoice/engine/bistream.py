@@ -19,8 +19,8 @@ chunking of the text:
 - Upstream raises on 6561/6562 while text streams and on 6562/6563 afterwards; so does `accept`.
 
 CosyVoice3 (`ids` of kind cosyvoice3, upstream `CosyVoice3LM` through the same loop): the prompt text
-up to and including `<|endofprompt|>` follows `[sos]` in the first input and only the rest starts the
-text cache, so with no prompt speech decoding starts at the first text token (upstream's
+up to and including `<|endofprompt|>` (its first `system_len` tokens, which the caller locates with
+its tokenizer) follows `[sos]` in the first input and only the rest starts the text cache, so with no prompt speech decoding starts at the first text token (upstream's
 `lm_input.size(1) == 1` test no longer holds); the stop ids are 6561..6760, its fill 6564 and its
 EOS 6562, so every other id >= 6561 raises as above.
 
@@ -39,8 +39,6 @@ from typing import Iterable
 
 from ..models.dims import SpeechIds
 from ..models.llm import Part, Table, sos_part, task_part
-
-ENDOFPROMPT_ID = 151646  # `<|endofprompt|>`: CosyVoice3LM asserts it, hard-coded upstream
 
 
 class Phase(Enum):
@@ -62,7 +60,7 @@ class UnexpectedStopToken(RuntimeError):
 class BistreamSchedule:
     def __init__(self, prompt_text_tokens: Iterable[int], prompt_speech_tokens: Iterable[int],
                  mix_ratio: tuple[int, int] = (5, 15), training_consistent: bool = False,
-                 ids: SpeechIds = SpeechIds.of("cosyvoice2")):
+                 ids: SpeechIds = SpeechIds.of("cosyvoice2"), system_len: int = 0):
         self.n_text, self.n_speech = mix_ratio
         self.training_consistent = training_consistent
         self.ids = ids
@@ -73,11 +71,11 @@ class BistreamSchedule:
         self._ended = False
         self._lm_input: list[Part] = [self._sos]  # upstream's `lm_input`: the next input, or the last fed one
         if ids.sos is not None:  # CosyVoice3: the system part of the prompt text goes in with sos
-            if ENDOFPROMPT_ID not in self._text_cache:
-                raise ValueError("a CosyVoice3 bistream prompt text must hold <|endofprompt|> (id 151646)")
-            end = self._text_cache.index(ENDOFPROMPT_ID) + 1
-            self._lm_input.append((Table.TEXT, tuple(self._text_cache[:end])))
-            del self._text_cache[:end]
+            if not 0 < system_len <= len(self._text_cache):
+                raise ValueError("a CosyVoice3 bistream prompt text must begin with its system part, ending "
+                                 f"in <|endofprompt|> (system_len {system_len} of {len(self._text_cache)} tokens)")
+            self._lm_input.append((Table.TEXT, tuple(self._text_cache[:system_len])))
+            del self._text_cache[:system_len]
         self.num_out = 0  # upstream's len(out_tokens): fills included
         self._last_out: int | None = None
         p = len(self._prompt_speech)

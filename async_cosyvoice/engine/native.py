@@ -119,7 +119,7 @@ class NativeEngine:
                                 text: AsyncIterator[Seq[int]]) -> AsyncIterator[list[int]]:
         try:
             schedule = BistreamSchedule(request.prompt_text_tokens, request.prompt_speech_tokens, self._mix_ratio,
-                                        request.training_consistent, self._ids)
+                                        request.training_consistent, self._ids, request.system_prompt_len)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         seq = Sequence(request, asyncio.Queue(), schedule=schedule, ids=self._ids)
