@@ -2,7 +2,9 @@
 server's with `--target` (add/list/show/rm). Both ways print the same lines:
 
     list, add:  ID <tab> KIND <tab> PROMPT SECONDS <tab> CREATED (UTC) <tab> PROMPT TEXT
-    show:       a JSON object (in-process it adds the shapes of the stored arrays)
+    show:       a JSON object with the speaker's model kind (in-process it adds the shapes of the
+                stored arrays)
+`import` stores the entries of an upstream spk2info.pt as speakers of the configured model's kind.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import datetime
 import json
 from pathlib import Path
 
+from async_cosyvoice.demo import resolve_model_dir
 from async_cosyvoice.frontend.audio import load_audio
+from async_cosyvoice.model_dir import model_kind
 from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.speakers import SpeakerInfo
 from async_cosyvoice.tts import Synthesizer
@@ -89,14 +93,16 @@ def _local(args) -> int:
         r = store.get(args.id)
         shown = _shown(*_info_fields(r.info))
         shown.update(prompt_text_tokens=int(r.voice.prompt_text_tokens.size), speech_feat=list(r.voice.speech_feat.shape),
-                     embedding=list(r.voice.embedding.shape))
+                     embedding=list(r.voice.embedding.shape), model_kind=r.model_kind)
         print(json.dumps(shown, indent=2))
     elif args.action == "rm":
         store.delete(args.id)
         print(f"deleted {args.id}")
     elif args.action == "import":
-        ids = store.import_spk2info(args.file, overwrite=args.overwrite)
-        print(f"imported {len(ids)} speakers: {', '.join(ids)}")
+        # spk2info.pt does not say which model made it: the configured model directory's kind
+        kind = model_kind(resolve_model_dir(config.model.dir).resolve())
+        ids = store.import_spk2info(args.file, overwrite=args.overwrite, model_kind=kind)
+        print(f"imported {len(ids)} {kind} speakers: {', '.join(ids)}")
     elif args.action == "export":
         ids = store.export_spk2info(args.file, args.ids or None)
         print(f"exported {len(ids)} speakers to {args.file}")
@@ -134,7 +140,8 @@ async def _remote(args) -> int:
             for s in await client.all_speakers(timeout=args.timeout):
                 print(line(*_fields(s)))
         elif args.action == "show":
-            print(json.dumps(_shown(*_fields(await client.get_speaker(args.id, timeout=args.timeout))), indent=2))
+            s = await client.get_speaker(args.id, timeout=args.timeout)
+            print(json.dumps({**_shown(*_fields(s)), "model_kind": s.model_kind}, indent=2))
         elif args.action == "rm":
             await client.delete_speaker(args.id, timeout=args.timeout)
             print(f"deleted {args.id}")

@@ -24,6 +24,7 @@ TOKENS_PER_SECOND = 25  # CosyVoice2 speech tokens per second of audio
 def _voice(info, aliases: dict[str, str]) -> dict:
     return {"id": info.speaker_id, "object": "voice", "kind": info.kind, "transcript": info.prompt_text,
             "prompt_seconds": info.n_speech_tokens / TOKENS_PER_SECOND, "created_at": int(info.created_at),
+            "model_kind": info.model_kind,
             "aliases": sorted(a for a, target in aliases.items() if target == info.speaker_id)}
 
 
