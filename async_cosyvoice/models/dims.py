@@ -107,6 +107,39 @@ class FlowDims:
 
 
 @dataclass(frozen=True)
+class DiTDims:
+    """CosyVoice3's flow estimator (`cosyvoice.flow.DiT.dit.DiT`, flow.decoder.estimator)."""
+    dim: int = 1024
+    depth: int = 22
+    heads: int = 16
+    dim_head: int = 64
+    ff_mult: int = 2
+    mel_dim: int = 80
+    mu_dim: int = 80
+    spk_dim: int = 80
+    out_channels: int = 80
+    static_chunk_size: int = 50  # mel frames (chunk_size * token_mel_ratio)
+    num_decoding_left_chunks: int = -1
+    long_skip_connection: bool = False
+
+
+@dataclass(frozen=True)
+class DiTFlowDims:
+    """CosyVoice3's flow (`CausalMaskedDiffWithDiT`): token embedding -> PreLookaheadLayer -> DiT CFM;
+    no conformer encoder (mu is the look-ahead output repeated token_mel_ratio times)."""
+    input_size: int = 80
+    output_size: int = 80
+    spk_embed_dim: int = 192
+    vocab_size: int = SPEECH_TOKEN_SIZE
+    token_mel_ratio: int = 2
+    pre_lookahead_len: int = 3
+    input_frame_rate: int = 25
+    lookahead_channels: int = 1024  # pre_lookahead_layer.channels
+    estimator: DiTDims = field(default_factory=DiTDims)
+    cfm: CFMParams = field(default_factory=CFMParams)
+
+
+@dataclass(frozen=True)
 class HiFTDims:
     in_channels: int = 80
     base_channels: int = 512
@@ -128,6 +161,8 @@ class HiFTDims:
     f0_num_class: int = 1
     f0_in_channels: int = 80
     f0_cond_channels: int = 512
+    causal: bool = False  # CosyVoice3's CausalHiFTGenerator + CausalConvRNNF0Predictor
+    conv_pre_look_right: int = 0  # CausalHiFTGenerator: mel frames conv_pre reads ahead
 
     @property
     def samples_per_frame(self) -> int:
