@@ -98,10 +98,13 @@ def _short_list(items: list[str], limit: int = 12) -> str:
     return f"[{shown}{f', ... and {len(items) - limit} more' if len(items) > limit else ''}]"
 
 
-def fold_weight_norm(state_dict: Mapping[str, torch.Tensor], file: str = HIFT_FILE) -> dict[str, torch.Tensor]:
+def fold_weight_norm(state_dict: Mapping[str, torch.Tensor], file: str = HIFT_FILE,
+                     float64_under: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Replace weight-norm pairs by plain `<layer>.weight = g * v / ||v||` (norm over all dims but 0),
     for both `<layer>.parametrizations.weight.original0/1` and legacy `<layer>.weight_g/_v` keys.
-    Order is kept: the folded weight takes the place of the pair's first key."""
+    Order is kept: the folded weight takes the place of the pair's first key. Layers under a prefix
+    of `float64_under` are folded in float64 and kept float64 (CosyVoice3's F0 predictor, which
+    upstream runs in float64), the others in float32."""
     pairs: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {}
     for key, value in state_dict.items():
@@ -130,7 +133,10 @@ def fold_weight_norm(state_dict: Mapping[str, torch.Tensor], file: str = HIFT_FI
         g, v = entry["g"], entry["v"]
         if g.numel() != v.shape[0] or g.shape[0] != v.shape[0]:
             raise ModelDirError(file, f"{layer}: weight-norm g {tuple(g.shape)} does not match v {tuple(v.shape)}")
-        out[f"{layer}.weight"] = torch._weight_norm(v.float(), g.float(), 0).to(v.dtype)
+        if layer.startswith(float64_under):
+            out[f"{layer}.weight"] = torch._weight_norm(v.double(), g.double(), 0)
+        else:
+            out[f"{layer}.weight"] = torch._weight_norm(v.float(), g.float(), 0).to(v.dtype)
     return out
 
 
@@ -162,15 +168,16 @@ def normalize_llm_state_dict(sd: Mapping[str, torch.Tensor], file: str = LLM_FIL
             for k, v in sd.items() if k != LLM_TIED_HEAD}
 
 
-def normalize_hift_state_dict(sd: Mapping[str, torch.Tensor], file: str = HIFT_FILE) -> dict[str, torch.Tensor]:
-    """Strip an optional leading `generator.` and fold weight norm."""
+def normalize_hift_state_dict(sd: Mapping[str, torch.Tensor], file: str = HIFT_FILE,
+                              float64_under: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Strip an optional leading `generator.` and fold weight norm (`fold_weight_norm`)."""
     stripped: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
         name = k[len("generator."):] if k.startswith("generator.") else k
         if name in stripped:
             raise ModelDirError(file, f"{name} appears both with and without the generator. prefix")
         stripped[name] = v
-    return fold_weight_norm(stripped, file)
+    return fold_weight_norm(stripped, file, float64_under)
 
 
 # ---------------------------------------------------------------------------------------------------
