@@ -198,7 +198,7 @@ class Synthesizer:
         for info in sorted(await self._in_cpu(self.speakers.infos), key=lambda i: -i.created_at):
             if len(chosen) >= self.config.warmup.max_speakers:
                 break
-            tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.encoder.static_chunk_size, flow.pre_lookahead_len)
+            tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.chunk_tokens, flow.pre_lookahead_len)
             if info.kind == "sft" or tokens == 0:
                 continue
             size += state_nbytes(flow, tokens, dtype)

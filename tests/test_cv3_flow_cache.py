@@ -10,7 +10,7 @@ from async_cosyvoice.model_dir import load_strict
 from async_cosyvoice.models.cosyvoice3.flow import DiTFlow
 from async_cosyvoice.models.cosyvoice3.hift import CausalHiFT
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
-from async_cosyvoice.token2wav.flow_cache import speaker_prefix_tokens
+from async_cosyvoice.token2wav.flow_cache import speaker_prefix_tokens, state_nbytes
 
 from cv3_fixture import cv3_dir, flow_dims, hift_dims
 from test_flow_cache import drive, target_tokens
@@ -75,3 +75,11 @@ def test_batched_streams_with_different_cached_prefixes(flow, vocoder, prompts):
     assert drive(cached, recompute, streams, tokens, first_round=[0, 0, 2]) >= 7
     assert all(s.finished for s in streams)
     assert cached.stats.flow_items > cached.stats.flow_calls
+
+
+def test_state_size_from_dims_matches_the_state(flow, vocoder, prompts):
+    """state_nbytes (speaker-prefix budgets at start-up, the memory report) counts what a DiT state holds."""
+    runner = Token2WavRunner(flow, vocoder)
+    state = runner._speaker_prefix(new_stream(prompts, "p24", 15, key="x"))
+    assert state.tokens == 50
+    assert state.nbytes() == state_nbytes(flow.dims, state.tokens, torch.float32)

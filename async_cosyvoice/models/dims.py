@@ -105,6 +105,11 @@ class FlowDims:
     estimator: EstimatorDims = field(default_factory=EstimatorDims)
     cfm: CFMParams = field(default_factory=CFMParams)
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk of the streaming attention masks (from the prompt's first token)."""
+        return self.encoder.static_chunk_size
+
 
 @dataclass(frozen=True)
 class DiTDims:
@@ -137,6 +142,11 @@ class DiTFlowDims:
     lookahead_channels: int = 1024  # pre_lookahead_layer.channels
     estimator: DiTDims = field(default_factory=DiTDims)
     cfm: CFMParams = field(default_factory=CFMParams)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk of the streaming attention masks (from the prompt's first token)."""
+        return self.estimator.static_chunk_size // self.token_mel_ratio
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,6 @@ class DiTFlow(MaskedDiffFlow):
         self.pre_lookahead_layer = PreLookaheadLayer(dims.input_size, dims.pre_lookahead_len, dims.lookahead_channels)
         self.decoder = CausalConditionalCFM(DiT(dims.estimator), dims.cfm)
 
-    @property
-    def chunk_tokens(self) -> int:
-        return self.dims.estimator.static_chunk_size // self.dims.token_mel_ratio
-
     def encode(self, x: Tensor, token_lens: Tensor, context_lens: Tensor, streaming: bool | Tensor,
                n_tokens: int | None, trace: dict | None) -> tuple[Tensor, Tensor]:
         lookahead = self.dims.pre_lookahead_len

@@ -20,7 +20,7 @@ from .prefix import Cursor, EntryShape, FlowState, Geometry, LayoutCursor, SlotC
 
 class MaskedDiffFlow(nn.Module):
     """Subclasses build `input_embedding`, `spk_embed_affine_layer` and `decoder` (a
-    CausalConditionalCFM), set `dims` (token_mel_ratio, pre_lookahead_len) and define `chunk_tokens`,
+    CausalConditionalCFM), set `dims` (token_mel_ratio, pre_lookahead_len, chunk_tokens) and define
     `encode` and `encode_cached`."""
 
     input_embedding: nn.Embedding
@@ -30,7 +30,7 @@ class MaskedDiffFlow(nn.Module):
     @property
     def chunk_tokens(self) -> int:
         """Tokens per chunk of the streaming attention masks, counted from the prompt's first token."""
-        raise NotImplementedError
+        return self.dims.chunk_tokens
 
     def encode(self, x: Tensor, token_lens: Tensor, context_lens: Tensor, streaming: bool | Tensor,
                n_tokens: int | None, trace: dict | None) -> tuple[Tensor, Tensor]:

@@ -25,10 +25,6 @@ class Flow(MaskedDiffFlow):
         self.encoder_proj = nn.Linear(dims.encoder.output_size, dims.output_size)
         self.decoder = CausalConditionalCFM(CausalConditionalDecoder(dims.estimator), dims.cfm)
 
-    @property
-    def chunk_tokens(self) -> int:
-        return self.dims.encoder.static_chunk_size
-
     def encode(self, x: Tensor, token_lens: Tensor, context_lens: Tensor, streaming: bool | Tensor,
                n_tokens: int | None, trace: dict | None) -> tuple[Tensor, Tensor]:
         h, mel_lens = self.encoder(x, token_lens, context_lens, streaming, n_tokens)
