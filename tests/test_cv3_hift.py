@@ -12,7 +12,7 @@ from async_cosyvoice.model_dir import load_strict, normalize_hift_state_dict
 from async_cosyvoice.models.cosyvoice3.flow import DiTFlow
 from async_cosyvoice.models.cosyvoice3.hift import F0_PREDICTOR_PREFIX, CausalHiFT
 from async_cosyvoice.models.cosyvoice3.nsf_noise import FixedNSFNoise
-from async_cosyvoice.token2wav.causal_vocoder import CausalVocoderCarry
+from async_cosyvoice.token2wav.carry import CausalCarry
 
 from cv3_fixture import cv3_dir, flow_dims, hift_dims
 
@@ -130,13 +130,14 @@ def flow(d) -> DiTFlow:
 
 def _run(flow, hift, tokens, prompt_token, prompt_feat, embedding, calls):
     """Upstream's CosyVoice3Model.token2wav sequence: calls = [(n_tokens, token_offset, finalize)]."""
-    carry, chunks, mels = CausalVocoderCarry(), [], []
+    carry, chunks, mels = CausalCarry(), [], []
     for n, offset, final in calls:
         flow_mel = flow.inference(tokens[:, :n], prompt_token, prompt_feat, embedding,
                                   streaming=not final, finalize=final)
-        mel = carry.hift_input(flow_mel[:, :, 2 * offset:], final)
-        speech, _ = hift.inference(mel, finalize=final)
-        chunks.append(carry.finish(mel, speech))
+        mel, cache_source = carry.hift_input(flow_mel[:, :, 2 * offset:], final)
+        assert cache_source is None
+        speech, source = hift.inference(mel, finalize=final)
+        chunks.append(carry.finish(mel, speech, source, final)[0])
         mels.append(flow_mel)
     return chunks, carry.mel, mels
 

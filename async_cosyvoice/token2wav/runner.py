@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..models.cosyvoice3.hift import CausalHiFT
 from ..models.flow.base import MaskedDiffFlow
 from ..models.flow.prefix import FlowState, Geometry
 from ..models.hift import HiFT
@@ -119,7 +120,7 @@ class Token2WavRunner:
     (token2wav/slot_calls.py: one CUDA graph per bucket); None: the state lives on each stream.
     """
 
-    def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
+    def __init__(self, flow: FlowLike, hift: HiFT | CausalHiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
                  estimator: Callable[..., Tensor] | None = None, length_bucket_ratio: float = 1.5,
                  max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 2 << 30,
                  max_cached_tokens: int | None = None, chunked_final: bool = False,
@@ -158,6 +159,11 @@ class Token2WavRunner:
     @property
     def device(self) -> torch.device:
         return next(self.hift.parameters()).device
+
+    @property
+    def causal_vocoder(self) -> bool:
+        """The vocoder is CosyVoice3's CausalHiFT: streams carry carry.CausalCarry."""
+        return isinstance(self.hift, CausalHiFT)
 
     def cuda_stream(self):
         """Context for token2wav's device work (in the device thread): on CUDA, our own stream
@@ -451,7 +457,8 @@ class Token2WavRunner:
         hift_out: list[HiFTOutput | None] = [None] * len(jobs)
         for group in length_groups([mel.shape[2] for mel, _ in inputs], self.length_bucket_ratio):
             group_out = render_group(self.hift, self.hift_graphs, [inputs[i][0] for i in group],
-                                     [inputs[i][1] for i in group], [jobs[i].stream.noise for i in group])
+                                     [inputs[i][1] for i in group], [jobs[i].stream.noise for i in group],
+                                     [jobs[i].finalize for i in group])
             self.stats.hift_calls += 1
             self.stats.hift_items += len(group)
             for i, out in zip(group, group_out):

@@ -182,13 +182,17 @@ class CausalHiFT(HiFTStages):
     @torch.no_grad()
     def render(self, mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
         """Many streams' calls: mels[b] (1, 80, T_b) -> speech (1, emitted_samples(T_b, finalize[b])).
-        Items of equal length and flag share one batched `inference` call."""
+        Items of equal length and flag share one batched `inference` call; items too short to emit
+        anything get (1, 0)."""
         if len(mels) != len(finalize):
             raise ValueError(f"got {len(mels)} mels and {len(finalize)} finalize flags")
+        out: list[Tensor | None] = [None] * len(mels)
         groups: dict[tuple[int, bool], list[int]] = {}
         for b, (mel, fin) in enumerate(zip(mels, finalize)):
-            groups.setdefault((mel.shape[2], fin), []).append(b)
-        out: list[Tensor | None] = [None] * len(mels)
+            if self.emitted_samples(mel.shape[2], fin) == 0:
+                out[b] = mel.new_zeros(1, 0)
+            else:
+                groups.setdefault((mel.shape[2], fin), []).append(b)
         for (_, fin), idx in groups.items():
             speech, _ = self.inference(torch.cat([mels[b] for b in idx]), fin)
             for row, b in enumerate(idx):
