@@ -107,7 +107,7 @@ class FlowDims:
 
     @property
     def chunk_tokens(self) -> int:
-        """Tokens per chunk of the streaming attention masks (from the prompt's first token)."""
+        """Tokens per streaming attention chunk (the encoder's static_chunk_size)."""
         return self.encoder.static_chunk_size
 
 
@@ -145,7 +145,7 @@ class DiTFlowDims:
 
     @property
     def chunk_tokens(self) -> int:
-        """Tokens per chunk of the streaming attention masks (from the prompt's first token)."""
+        """Tokens per streaming attention chunk (the DiT's static_chunk_size is in mel frames)."""
         return self.estimator.static_chunk_size // self.token_mel_ratio
 
 
