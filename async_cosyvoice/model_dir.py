@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,7 +24,10 @@ import torch
 from async_cosyvoice.dims_map import read_dims, read_qwen_dims
 from async_cosyvoice.errors import ModelDirError, Unsupported
 from async_cosyvoice.frontend.tokenizer import TextTokenizer
-from async_cosyvoice.models.dims import ModelDims, Qwen2Dims
+from async_cosyvoice.models.cosyvoice3.flow import DiTFlow
+from async_cosyvoice.models.cosyvoice3.hift import F0_PREDICTOR_PREFIX, CausalHiFT
+from async_cosyvoice.models.cosyvoice3.nsf_noise import FixedNSFNoise
+from async_cosyvoice.models.dims import DiTFlowDims, HiFTDims, ModelDims, Qwen2Dims
 from async_cosyvoice.models.flow.flow import Flow
 from async_cosyvoice.models.hift import HiFT
 from async_cosyvoice.models.llm import LM_CLASSES
@@ -119,10 +122,13 @@ def _short_list(items: list[str], limit: int = 12) -> str:
     return f"[{shown}{f', ... and {len(items) - limit} more' if len(items) > limit else ''}]"
 
 
-def fold_weight_norm(state_dict: Mapping[str, torch.Tensor], file: str = HIFT_FILE) -> dict[str, torch.Tensor]:
+def fold_weight_norm(state_dict: Mapping[str, torch.Tensor], file: str = HIFT_FILE,
+                     float64_under: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Replace weight-norm pairs by plain `<layer>.weight = g * v / ||v||` (norm over all dims but 0),
     for both `<layer>.parametrizations.weight.original0/1` and legacy `<layer>.weight_g/_v` keys.
-    Order is kept: the folded weight takes the place of the pair's first key."""
+    Order is kept: the folded weight takes the place of the pair's first key. Layers under a prefix
+    of `float64_under` are folded in float64 and kept float64 (CosyVoice3's F0 predictor, which
+    upstream runs in float64), the others in float32."""
     pairs: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {}
     for key, value in state_dict.items():
@@ -151,7 +157,10 @@ def fold_weight_norm(state_dict: Mapping[str, torch.Tensor], file: str = HIFT_FI
         g, v = entry["g"], entry["v"]
         if g.numel() != v.shape[0] or g.shape[0] != v.shape[0]:
             raise ModelDirError(file, f"{layer}: weight-norm g {tuple(g.shape)} does not match v {tuple(v.shape)}")
-        out[f"{layer}.weight"] = torch._weight_norm(v.float(), g.float(), 0).to(v.dtype)
+        if layer.startswith(float64_under):
+            out[f"{layer}.weight"] = torch._weight_norm(v.double(), g.double(), 0)
+        else:
+            out[f"{layer}.weight"] = torch._weight_norm(v.float(), g.float(), 0).to(v.dtype)
     return out
 
 
@@ -184,15 +193,16 @@ def normalize_llm_state_dict(sd: Mapping[str, torch.Tensor], file: str = LLM_FIL
             for k, v in sd.items() if k != LLM_TIED_HEAD}
 
 
-def normalize_hift_state_dict(sd: Mapping[str, torch.Tensor], file: str = HIFT_FILE) -> dict[str, torch.Tensor]:
-    """Strip an optional leading `generator.` and fold weight norm."""
+def normalize_hift_state_dict(sd: Mapping[str, torch.Tensor], file: str = HIFT_FILE,
+                              float64_under: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Strip an optional leading `generator.` and fold weight norm (`fold_weight_norm`)."""
     stripped: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
         name = k[len("generator."):] if k.startswith("generator.") else k
         if name in stripped:
             raise ModelDirError(file, f"{name} appears both with and without the generator. prefix")
         stripped[name] = v
-    return fold_weight_norm(stripped, file)
+    return fold_weight_norm(stripped, file, float64_under)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,7 +251,9 @@ class ModelDir:
         return load_state_dict_file(self.path / FLOW_FILE, FLOW_FILE)
 
     def hift_state_dict(self) -> dict[str, torch.Tensor]:
-        return normalize_hift_state_dict(load_state_dict_file(self.path / HIFT_FILE, HIFT_FILE))
+        # CosyVoice3's F0 predictor runs in float64 upstream, its weight norm folded in float64 too
+        float64 = (F0_PREDICTOR_PREFIX,) if self.kind == "cosyvoice3" else ()
+        return normalize_hift_state_dict(load_state_dict_file(self.path / HIFT_FILE, HIFT_FILE), float64_under=float64)
 
     def tokenizer(self):
         """The `TextTokenizer` of this directory's kind (cached per directory)."""
@@ -323,8 +335,16 @@ def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     module.load_state_dict(dict(state_dict), strict=True)
 
 
-# the flow and vocoder modules of each kind
-TOKEN2WAV_CLASSES: dict[str, tuple[type, type]] = {"cosyvoice2": (Flow, HiFT)}
+def _cosyvoice3_hift(dims: HiFTDims, flow: DiTFlowDims) -> CausalHiFT:
+    """CausalHiFT with upstream's NSF noise, which the yaml draws at construction (not in hift.pt)."""
+    return CausalHiFT(dims, FixedNSFNoise.replay(flow, dims))
+
+
+# the flow and vocoder of each kind: (flow class, vocoder factory(hift dims, flow dims))
+TOKEN2WAV_CLASSES: dict[str, tuple[Callable, Callable]] = {
+    "cosyvoice2": (Flow, lambda dims, flow: HiFT(dims)),
+    "cosyvoice3": (DiTFlow, _cosyvoice3_hift),
+}
 
 
 class Models(NamedTuple):
@@ -346,8 +366,8 @@ def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = 
         raise Unsupported(f"{md.yaml_file}: this build has no {md.kind} flow and vocoder; only its LM loads")
     flow_cls, hift_cls = TOKEN2WAV_CLASSES.get(md.kind, (None, None))
 
-    def load(cls, dims, state_dict, file: str, mod_dtype: torch.dtype) -> torch.nn.Module:
-        module = cls(dims)
+    def load(make, dims, state_dict, file: str, mod_dtype: torch.dtype) -> torch.nn.Module:
+        module = make(dims)
         sd = state_dict()
         load_strict(module, sd, file)
         del sd
@@ -356,4 +376,5 @@ def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = 
     return Models(
         llm=load(LM_CLASSES[md.kind], md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype) if with_llm else None,
         flow=load(flow_cls, md.dims.flow, md.flow_state_dict, FLOW_FILE, dtype) if with_token2wav else None,
-        hift=load(hift_cls, md.dims.hift, md.hift_state_dict, HIFT_FILE, torch.float32) if with_token2wav else None)
+        hift=load(lambda d: hift_cls(d, md.dims.flow), md.dims.hift, md.hift_state_dict, HIFT_FILE, torch.float32)
+        if with_token2wav else None)

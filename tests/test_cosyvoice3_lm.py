@@ -16,7 +16,7 @@ from async_cosyvoice.engine.base import GenerationRequest, length_limits
 from async_cosyvoice.engine.bistream import BistreamSchedule, UnexpectedStopToken, Verdict
 from async_cosyvoice.engine.native import NativeEngine, NativeEngineConfig
 from async_cosyvoice.engine.silence import SilenceCap
-from async_cosyvoice.errors import ModelDirError, Unsupported
+from async_cosyvoice.errors import ModelDirError
 from async_cosyvoice.frontend.model_input import MODE_SPECS, SystemPrompt, build_model_input, instruction_text
 from async_cosyvoice.model_dir import build_models, load_model_dir, load_strict
 from async_cosyvoice.models.dims import RASParams, SpeechIds
@@ -26,7 +26,10 @@ from async_cosyvoice.sampling import ras_sample
 from async_cosyvoice.tools.golden_compare import compare_dirs, format_table
 from async_cosyvoice.tools.reproduce_golden import reproduce
 
-LM_FILES = ("frontend.npz", "model_inputs.npz", "llm.npz", "ras.npz")
+GOLDEN_FILES = ("frontend.npz", "model_inputs.npz", "llm.npz", "ras.npz", "flow.npz", "hift.npz",
+                *(f"e2e_vc_{run}.npz" for run in ("nonstream", "stream_hop15", "stream_hop25", "stream_hop25_p16")),
+                *(f"e2e_llm_{mode}_{kind}.npz" for mode in ("zero_shot", "cross_lingual", "instruct2")
+                  for kind in ("nonstream", "stream")))
 
 
 @pytest.fixture(scope="module")
@@ -136,25 +139,30 @@ def test_system_prompt_is_added_only_where_the_marker_is_missing(md):
     assert MODE_SPECS[Mode.INSTRUCT2].lm_prompt_speech is False and instruct.llm_prompt_speech_token.size == 0
 
 
-# -- every LM-side golden through the reproducer ----------------------------------------------------
+# -- every golden through the reproducer -----------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def rows(tiny3_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("golden3")
     reproduce(tiny3_dir, out)
-    return [r for r in compare_dirs(tiny3_dir / "golden", out) if r.file in LM_FILES]
+    return compare_dirs(tiny3_dir / "golden", out)
 
 
-def test_every_lm_frontend_and_sampler_golden(rows):
+def test_every_golden_of_the_fixture(rows):
+    """frontend, model inputs, LM, sampler, flow, vocoder and end to end (the production streaming
+    path; the seeded LLM runs' tokens drawn as upstream draws them) within tolerance."""
     print("\n" + format_table(rows))
-    assert {r.file for r in rows} == set(LM_FILES)
+    assert {r.file for r in rows} == set(GOLDEN_FILES)
     failures = [r for r in rows if not r.ok]
     assert not failures, "\n" + format_table(failures)
     keys = {(r.file, r.key) for r in rows}
     for required in [("llm.npz", "zero_shot/logits"), ("llm.npz", "instruct2/sampler_masked_ids"),
                      ("llm.npz", "silent_filter/kept"), ("llm.npz", "cross_lingual/full_forward_logp"),
                      ("ras.npz", "peaked_at_6562_ignore_eos/seed0/result"),
-                     ("model_inputs.npz", "zero_shot_spk/prompt_text"), ("frontend.npz", "p16/tokenizer_indices_raw")]:
+                     ("model_inputs.npz", "zero_shot_spk/prompt_text"), ("frontend.npz", "p16/tokenizer_indices_raw"),
+                     ("flow.npz", "chunk/est_step10_out"), ("hift.npz", "real/nonfinal/speech"),
+                     ("e2e_vc_stream_hop15.npz", "audio_zero_noise"), ("e2e_llm_zero_shot_stream.npz", "speech_tokens"),
+                     ("e2e_llm_instruct2_stream.npz", "audio")]:
         assert required in keys
     # the seeded draws match too (informational for CosyVoice2, which shares no RNG order)
     assert all(r.max_abs == 0 for r in rows if r.file == "ras.npz" and r.key.endswith("/result"))
@@ -256,11 +264,3 @@ def test_bistream_schedule_puts_the_system_prompt_after_sos():
     assert s2.accept(6562) is Verdict.END
     with pytest.raises(ValueError, match="must begin with its system part"):
         BistreamSchedule([1, 2], [], (5, 15), ids=ids)
-
-
-def test_token2wav_of_a_build_without_it_is_refused_clearly(md):
-    from async_cosyvoice.model_dir import TOKEN2WAV_CLASSES
-    if "cosyvoice3" in TOKEN2WAV_CLASSES:
-        pytest.skip("this build has CosyVoice3's flow and vocoder")
-    with pytest.raises(Unsupported, match="no cosyvoice3 flow and vocoder"):
-        build_models(md)

@@ -165,11 +165,14 @@ class ConvRNNF0Predictor(nn.Module):
 
 
 class SineGen2(nn.Module):
-    """Harmonic sine source at the sample rate from an upsampled f0 (B, L, 1) (non-causal)."""
+    """Harmonic sine source at the sample rate from an upsampled f0 (B, L, 1). causal (CosyVoice3):
+    the frame-rate phase is brought back to the sample rate by repetition instead of linear
+    interpolation, so no sample depends on a later frame."""
 
     def __init__(self, sampling_rate: int, upsample_scale: int, harmonic_num: int,
-                 sine_amp: float, noise_std: float, voiced_threshold: float):
+                 sine_amp: float, noise_std: float, voiced_threshold: float, causal: bool = False):
         super().__init__()
+        self.causal = causal
         self.sampling_rate = sampling_rate
         self.upsample_scale = upsample_scale
         self.dim = harmonic_num + 1
@@ -192,7 +195,7 @@ class SineGen2(nn.Module):
             inside = torch.arange(phase.shape[1], device=phase.device).view(1, -1, 1) < frames.view(-1, 1, 1)
             phase = torch.where(inside, phase, last)
         phase = F.interpolate(phase.transpose(1, 2) * self.upsample_scale, scale_factor=self.upsample_scale,
-                              mode="linear").transpose(1, 2)
+                              mode="nearest" if self.causal else "linear").transpose(1, 2)
         return torch.sin(phase)
 
     def forward(self, f0: Tensor, noise: NoiseSpec = None) -> tuple[Tensor, Tensor]:
@@ -218,9 +221,10 @@ class SourceModuleHnNSF(nn.Module):
     """Harmonic-plus-noise source: tanh(Linear(9 -> 1)(SineGen2(f0)))."""
 
     def __init__(self, sampling_rate: int, upsample_scale: int, harmonic_num: int,
-                 sine_amp: float, noise_std: float, voiced_threshold: float):
+                 sine_amp: float, noise_std: float, voiced_threshold: float, causal: bool = False):
         super().__init__()
-        self.l_sin_gen = SineGen2(sampling_rate, upsample_scale, harmonic_num, sine_amp, noise_std, voiced_threshold)
+        self.l_sin_gen = SineGen2(sampling_rate, upsample_scale, harmonic_num, sine_amp, noise_std, voiced_threshold,
+                                  causal)
         self.l_linear = nn.Linear(harmonic_num + 1, 1)
 
     def forward(self, f0: Tensor, noise: NoiseSpec = None) -> Tensor:
@@ -251,20 +255,28 @@ class Snake(nn.Module):
 
 
 class ResBlock(nn.Module):
-    """For each dilation d: x += conv2(Snake(conv1_d(Snake(x)))), 'same' padding."""
+    """For each dilation d: x += conv2(Snake(conv1_d(Snake(x)))), 'same' padding; causal (CosyVoice3):
+    each conv sees only its (kernel − 1)·dilation frames before (zeros at the start)."""
 
-    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int]):
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int], causal: bool = False):
         super().__init__()
-        self.convs1 = nn.ModuleList(
-            nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=(kernel_size * d - d) // 2)
-            for d in dilations)
-        self.convs2 = nn.ModuleList(
-            nn.Conv1d(channels, channels, kernel_size, padding=(kernel_size - 1) // 2) for _ in dilations)
+        self.causal = causal
+
+        def conv(d: int) -> nn.Conv1d:
+            return nn.Conv1d(channels, channels, kernel_size, dilation=d,
+                             padding=0 if causal else (kernel_size * d - d) // 2)
+
+        self.convs1 = nn.ModuleList(conv(d) for d in dilations)
+        self.convs2 = nn.ModuleList(conv(1) for _ in dilations)
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """mask (B, 1, L): right-padded items; each conv input is zeroed past the item's samples."""
+        if self.causal:
+            for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+                x = _causal_conv(c2, a2(_causal_conv(c1, a1(x)))) + x
+            return x
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
             if mask is None:
                 x = c2(a2(c1(a1(x)))) + x
@@ -273,10 +285,50 @@ class ResBlock(nn.Module):
         return x
 
 
+def _causal_conv(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    return conv(F.pad(x, ((conv.kernel_size[0] - 1) * conv.dilation[0], 0)))
+
+
 # --------------------------------------------------------------------------- HiFT
 
 
-class HiFT(nn.Module):
+class HiFTStages(nn.Module):
+    """What HiFT and CosyVoice3's causal HiFT (cosyvoice3/hift.py) share past conv_pre: the
+    source STFT, the upsampling stages fused with the source, and conv_post -> iSTFT. Subclasses
+    build `ups`, `source_downs`, `source_resblocks`, `resblocks` and `conv_post` (each called with
+    one input, doing its own padding) and set `dims`, `n_fft`, `hop`, `num_kernels`, `stft_window`."""
+
+    def source_stft(self, source: Tensor) -> Tensor:
+        """source (B, 1, L) -> (B, n_fft + 2, L / hop + 1): real then imaginary parts (center=True)."""
+        spec = torch.view_as_real(torch.stft(source.squeeze(1), self.n_fft, self.hop, self.n_fft,
+                                             window=self.stft_window, return_complex=True))
+        return torch.cat([spec[..., 0], spec[..., 1]], dim=1)
+
+    def upsample_stages(self, x: Tensor, s_stft: Tensor) -> Tensor:
+        """conv_pre's output -> the last stage's (B, C, hop frames), each stage: leaky ReLU, upsample,
+        [reflection pad after the last], + the source at that rate, mean of the resblocks."""
+        last = len(self.ups) - 1
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, self.dims.lrelu_slope))
+            if i == last:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            xs = self.resblocks[i * self.num_kernels](x)
+            for j in range(1, self.num_kernels):
+                xs += self.resblocks[i * self.num_kernels + j](x)
+            x = xs / self.num_kernels
+        return x
+
+    def to_speech(self, x: Tensor) -> Tensor:
+        """Last stage -> conv_post -> magnitude exp(·) <= 100 and phase sin(·) -> iSTFT (B, hop·(N − 1))."""
+        x = self.conv_post(F.leaky_relu(x))
+        bins = self.n_fft // 2 + 1
+        mag = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
+        phase = torch.sin(x[:, bins:, :])
+        return istft(torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)), self.hop, self.stft_window)
+
+
+class HiFT(HiFTStages):
     def __init__(self, dims: HiFTDims):
         super().__init__()
         self.dims = dims
@@ -331,29 +383,7 @@ class HiFT(nn.Module):
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """mel (B, 80, T) + source (B, 1, 480T) -> speech (B, 480T), clamped to +-audio_limit."""
-        spec = torch.stft(source.squeeze(1), self.n_fft, self.hop, self.n_fft, window=self.stft_window,
-                          return_complex=True)
-        spec = torch.view_as_real(spec)
-        s_stft = torch.cat([spec[..., 0], spec[..., 1]], dim=1)
-
-        x = self.conv_pre(mel)
-        last = len(self.ups) - 1
-        for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, self.dims.lrelu_slope))
-            if i == last:
-                x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
-            xs = self.resblocks[i * self.num_kernels](x)
-            for j in range(1, self.num_kernels):
-                xs += self.resblocks[i * self.num_kernels + j](x)
-            x = xs / self.num_kernels
-        x = self.conv_post(F.leaky_relu(x))
-
-        bins = self.n_fft // 2 + 1
-        mag = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
-        phase = torch.sin(x[:, bins:, :])
-        spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
-        speech = istft(spec, self.hop, self.stft_window)
+        speech = self.to_speech(self.upsample_stages(self.conv_pre(mel), self.source_stft(source)))
         return torch.clamp(speech, -self.dims.audio_limit, self.dims.audio_limit)
 
     def decode_padded(self, mel: Tensor, source: Tensor, lengths: Tensor) -> Tensor:

@@ -13,13 +13,15 @@ import numpy as np
 import torch
 
 from async_cosyvoice.models.dims import (
-    EOS2_TOKEN as SPEECH_EOS2, EOS_TOKEN as SPEECH_EOS, SPEECH_VOCAB, EncoderDims, EstimatorDims, FlowDims, HiFTDims, LMDims,
+    EOS2_TOKEN as SPEECH_EOS2, EOS_TOKEN as SPEECH_EOS, SPEECH_VOCAB, DiTFlowDims, EncoderDims, EstimatorDims, FlowDims,
+    HiFTDims, LMDims,
 )
 
 from .presets import Preset
 
 # A spec is (key, shape, init); init kinds: ("normal", std) | ("norm_w",) | ("norm_b",) | ("alpha",) |
-# ("const", mean, std) | ("const_split", n_rows, value, std) | ("wn_g", v_key) | ("tied", other_key)
+# ("const", mean, std) | ("const_split", n_rows, value, std) | ("wn_g", v_key) | ("tied", other_key) |
+# ("rotary", dim_head): the DiT's inv_freq buffer (fixed values, saved in flow.pt)
 Spec = tuple[str, tuple[int, ...], tuple]
 STD = 0.02
 HIFT_GAIN = 1.0
@@ -142,6 +144,35 @@ def flow_specs(f: FlowDims, mel_mean: float = 0.0) -> list[Spec]:
     return specs
 
 
+def dit_flow_specs(f: DiTFlowDims, mel_mean: float = 0.0) -> list[Spec]:
+    """CosyVoice3's flow.pt (CausalMaskedDiffWithDiT): no encoder, a DiT estimator."""
+    est, d = f.estimator, f.estimator.dim
+    inner, p = est.heads * est.dim_head, "decoder.estimator"
+    specs: list[Spec] = [("input_embedding.weight", (f.vocab_size, f.input_size), ("normal", STD))]
+    specs += _linear("spk_embed_affine_layer", f.output_size, f.spk_embed_dim)
+    specs += _conv("pre_lookahead_layer.conv1", f.lookahead_channels, f.input_size, f.pre_lookahead_len + 1)
+    specs += _conv("pre_lookahead_layer.conv2", f.input_size, f.lookahead_channels, 3)
+    specs += _linear(f"{p}.time_embed.time_mlp.0", d, 256) + _linear(f"{p}.time_embed.time_mlp.2", d, d)
+    specs += _linear(f"{p}.input_embed.proj", d, 2 * est.mel_dim + est.mu_dim + est.spk_dim)
+    for conv in ("conv1", "conv2"):  # grouped (16 groups), kernel 31
+        specs += _conv(f"{p}.input_embed.conv_pos_embed.{conv}.0", d, d // 16, 31)
+    specs.append((f"{p}.rotary_embed.inv_freq", (est.dim_head // 2,), ("rotary", est.dim_head)))
+    for i in range(est.depth):
+        b = f"{p}.transformer_blocks.{i}"
+        specs += _linear(f"{b}.attn_norm.linear", 6 * d, d)
+        for name in ("to_q", "to_k", "to_v"):
+            specs += _linear(f"{b}.attn.{name}", inner, d)
+        specs += _linear(f"{b}.attn.to_out.0", d, inner)
+        specs += _linear(f"{b}.ff.ff.0.0", est.ff_mult * d, d) + _linear(f"{b}.ff.ff.2", d, est.ff_mult * d)
+    if est.long_skip_connection:
+        specs += _linear(f"{p}.long_skip_connection", d, 2 * d, bias=False)
+    specs += _linear(f"{p}.norm_out.linear", 2 * d, d)
+    specs += _linear(f"{p}.proj_out", est.mel_dim, d)
+    # the velocity starts at `mel_mean`, so the ODE carries N(0, 1) noise to mels at that level
+    specs[-1] = (specs[-1][0], specs[-1][1], ("const", mel_mean, STD))
+    return specs
+
+
 def _wn(prefix: str, g_rows: int, v_shape: tuple[int, ...], bias_c: int, std: float | None = None,
         bias_init: tuple = ("normal", STD)) -> list[Spec]:
     """A weight-normed conv as upstream saves it: bias, then g (original0), then v (original1).
@@ -165,13 +196,18 @@ def _hift_resblock(p: str, ch: int, k: int, dilations: tuple[int, ...]) -> list[
 
 
 def hift_specs(h: HiFTDims, f0_hz: float = 150.0, magnitude: float = 0.05) -> list[Spec]:
+    """hift.pt of HiFTGenerator, or of CosyVoice3's CausalHiFTGenerator (`h.causal`: conv_pre of
+    kernel conv_pre_look_right + 1, upsampling by repetition + Conv1d, F0 predictor's first kernel 4)."""
     n_bins = h.istft_n_fft // 2 + 1
     specs: list[Spec] = _linear("m_source.l_linear", 1, h.nb_harmonics + 1, std=0.3)
-    specs += _wn("conv_pre", h.base_channels, (h.base_channels, h.in_channels, 7), h.base_channels)
+    k_pre = h.conv_pre_look_right + 1 if h.causal else 7
+    specs += _wn("conv_pre", h.base_channels, (h.base_channels, h.in_channels, k_pre), h.base_channels)
     for i, (u, k) in enumerate(zip(h.upsample_rates, h.upsample_kernel_sizes)):
         c_in, c_out = h.base_channels // 2 ** i, h.base_channels // 2 ** (i + 1)
-        specs += _wn(f"ups.{i}", c_in, (c_in, c_out, k), c_out,  # ConvTranspose1d: g per input channel
-                     std=HIFT_GAIN / math.sqrt(c_in * k / u))
+        if h.causal:  # Conv1d after repetition: g per output channel
+            specs += _wn(f"ups.{i}", c_out, (c_out, c_in, k), c_out, std=HIFT_GAIN / math.sqrt(c_in * k))
+        else:  # ConvTranspose1d: g per input channel
+            specs += _wn(f"ups.{i}", c_in, (c_in, c_out, k), c_out, std=HIFT_GAIN / math.sqrt(c_in * k / u))
     down_rates = [1, *h.upsample_rates[::-1][:-1]]
     cum = np.cumprod(down_rates).tolist()
     for i, u in enumerate(cum[::-1]):
@@ -191,7 +227,8 @@ def hift_specs(h: HiFTDims, f0_hz: float = 150.0, magnitude: float = 0.05) -> li
     c = h.f0_cond_channels
     for i in range(5):
         c_in = h.f0_in_channels if i == 0 else c
-        specs += _wn(f"f0_predictor.condnet.{2 * i}", c, (c, c_in, 3), c)
+        k = 4 if h.causal and i == 0 else 3  # the causal predictor's first conv looks 3 frames right
+        specs += _wn(f"f0_predictor.condnet.{2 * i}", c, (c, c_in, k), c)
     specs += _linear("f0_predictor.classifier", h.f0_num_class, c, std=20.0 / math.sqrt(c))
     specs[-1] = (specs[-1][0], specs[-1][1], ("const", f0_hz, 1.0))
     return specs
@@ -217,6 +254,8 @@ def _make_tensor(shape: tuple[int, ...], init: tuple, made: dict[str, torch.Tens
         t.normal_(0.0, init[3], generator=gen)
         t[: init[1]] += init[2]
         return t
+    if kind == "rotary":  # x_transformers' RotaryEmbedding(dim_head).inv_freq
+        return 1.0 / 10000.0 ** (torch.arange(0, init[1], 2).float() / init[1])
     if kind == "wn_g":  # g = ||v|| over all dims but 0, so the folded weight equals v
         v = made[init[1]]
         return v.flatten(1).norm(dim=1).reshape(shape).clone()

@@ -126,10 +126,11 @@ class Token2WavBatcher:
     def open_stream(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, *, seed: int | None,
                     segment: int, **options) -> Token2WavStream:
         """A stream whose jobs run here: its prompt moved to this device once, its NSF noise drawn
-        there (`request_noise`). options: Token2WavStream's stream, schedule, speed, prompt_key."""
+        there (`request_noise`), its vocoder carry the runner's vocoder's. options: Token2WavStream's
+        stream, schedule, speed, prompt_key."""
         device = self.runner.device
         return Token2WavStream(prompt_token, prompt_feat, embedding, noise=request_noise(seed, segment, device),
-                               device=device, **options)
+                               device=device, causal_vocoder=self.runner.causal_vocoder, **options)
 
     async def wait_dead(self) -> str:
         """Never returns: this batcher runs in the server's own process (a token2wav process can die)."""

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.dims import FlowDims
+from ..models.cosyvoice3.dit import POS_CONV_KERNEL
+from ..models.dims import DiTFlowDims, FlowDims
 from ..models.flow.prefix import FlowState
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,16 @@ def speaker_prefix_tokens(n_prompt_tokens: int, chunk: int, lookahead: int) -> i
     return chunk_floor(max(0, n_prompt_tokens - lookahead), chunk)
 
 
-def state_nbytes(dims: FlowDims, tokens: int, dtype: torch.dtype) -> int:
+def state_nbytes(dims: FlowDims | DiTFlowDims, tokens: int, dtype: torch.dtype) -> int:
     """Bytes of a FlowState covering `tokens` prompt + target tokens, from the model dims (every
     tensor in the flow's dtype but the float32 mel). Per token: the encoder's keys and values (6
     layers on tokens, 4 on frames) and, at each CFM step, the keys and values of every estimator
-    transformer block for both CFG halves; plus per state the causal convs' left context."""
+    transformer block for both CFG halves; plus per state the causal convs' left context.
+    CosyVoice3 (DiTFlowDims): no encoder; per CFM step the keys and values of every DiT layer."""
     if tokens == 0:
         return 0
+    if isinstance(dims, DiTFlowDims):
+        return _dit_state_nbytes(dims, tokens, dtype)
     enc, est, cfm = dims.encoder, dims.estimator, dims.cfm
     ratio, size = dims.token_mel_ratio, torch.empty(0, dtype=dtype).element_size()
     ch, inner = est.channels[0], est.num_heads * est.attention_head_dim
@@ -63,6 +67,15 @@ def state_nbytes(dims: FlowDims, tokens: int, dtype: torch.dtype) -> int:
     conv_inputs = est.in_channels + 2 * ch + 2 * ch * est.num_mid_blocks + 2 * ch + ch + ch + ch  # kernel 3: 2 frames
     fixed = (enc.output_size * (2 + 2 * enc.upsample_stride)  # pre-lookahead conv2 (k3), up conv (k5)
              + cfm.n_timesteps * 2 * 2 * conv_inputs)
+    return size * (per_token * tokens + fixed) + 4 * dims.output_size * ratio * tokens
+
+
+def _dit_state_nbytes(dims: DiTFlowDims, tokens: int, dtype: torch.dtype) -> int:
+    est, ratio = dims.estimator, dims.token_mel_ratio
+    size = torch.empty(0, dtype=dtype).element_size()
+    per_token = dims.cfm.n_timesteps * 2 * 2 * est.heads * est.dim_head * est.depth * ratio  # k, v x CFG halves
+    fixed = (2 * dims.lookahead_channels  # the look-ahead layer's conv2 (k3)
+             + dims.cfm.n_timesteps * 2 * 2 * (POS_CONV_KERNEL - 1) * est.dim)  # the two position convs, CFG halves
     return size * (per_token * tokens + fixed) + 4 * dims.output_size * ratio * tokens
 
 

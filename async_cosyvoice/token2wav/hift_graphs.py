@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..graph_buckets import DEFAULT_STREAM_BUCKETS, Bucket, GraphBuckets
+from ..models.cosyvoice3.hift import CausalHiFT
 from ..models.hift import HiFT, NSFNoise
 
 HiFTOutput = tuple[Tensor, Tensor]  # speech (1, 480T), source (1, 1, 480T) of one item
@@ -82,12 +83,20 @@ class HiFTGraphs(GraphBuckets):
         return self.hift.padded_inputs(mel, [Tb] * Bb, [NSFNoise.zero()] * Bb)
 
 
-def render_group(hift: HiFT, graphs: HiFTGraphs | None, mels: Sequence[Tensor], caches: Sequence[Tensor | None],
-                 noise: Sequence[NSFNoise | None]) -> list[HiFTOutput]:
+def render_group(hift: HiFT | CausalHiFT, graphs: HiFTGraphs | None, mels: Sequence[Tensor],
+                 caches: Sequence[Tensor | None], noise: Sequence[NSFNoise | None],
+                 finalize: Sequence[bool] | None = None) -> list[HiFTOutput]:
     """HiFT of one group of items, mel (1, 80, T_b) each, with their cache_source (1, 1, S) or None
     and NSF noise: in a graph where `graphs` has a bucket for it, else one plain batched call when
     the lengths are equal, else one padded call. Items too short to pad (< 2 frames: HiFT's
-    reflection needs 2) run alone. Returns (speech (1, 480T_b), source (1, 1, 480T_b)) per item."""
+    reflection needs 2) run alone. Returns (speech (1, 480T_b), source (1, 1, 480T_b)) per item.
+
+    CosyVoice3's CausalHiFT (its NSF noise is its own, it takes no cache_source) renders each item
+    final or not (`finalize`, required for it; `CausalHiFT.render`); its source comes back empty."""
+    if isinstance(hift, CausalHiFT):
+        if finalize is None:
+            raise ValueError("a CausalHiFT group needs each item's finalize flag")
+        return [(speech, speech.new_zeros(1, 1, 0)) for speech in hift.render(list(mels), list(finalize))]
     frames = [m.shape[2] for m in mels]
     out: list[HiFTOutput | None] = [None] * len(mels)
     short = [i for i, n in enumerate(frames) if n < 2]

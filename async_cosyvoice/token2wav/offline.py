@@ -129,7 +129,7 @@ def render_offline(runner: Token2WavRunner, jobs: Sequence[Token2WavJob], limits
         hift_out: list[tuple[Tensor, Tensor]] = [None] * len(jobs)  # type: ignore[list-item]
         for group in padded_groups(frames, limits):
             group_out = render_group(runner.hift, runner.hift_graphs, [inputs[i] for i in group],
-                                     [None] * len(group), [jobs[i].stream.noise for i in group])
+                                     [None] * len(group), [jobs[i].stream.noise for i in group], [True] * len(group))
             for i, out in zip(group, group_out):
                 hift_out[i] = out
             stats.hift_calls += 1

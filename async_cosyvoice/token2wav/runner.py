@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..models.flow.flow import Flow
+from ..models.cosyvoice3.hift import CausalHiFT
+from ..models.flow.base import MaskedDiffFlow
 from ..models.flow.prefix import FlowState, Geometry
 from ..models.hift import HiFT
 from .flow_cache import SpeakerPrefixCache, chunk_floor, speaker_prefix_tokens
@@ -101,7 +102,8 @@ class Token2WavRunner:
     and a chunk's right edge is used (its last 3840 samples are cross-faded into the next chunk,
     its source tail seeds the next source).
 
-    `flow` may be any FlowLike (tests use stand-ins); only a real `Flow` is batched and cached,
+    `flow` may be any FlowLike (tests use stand-ins); only a real flow (a MaskedDiffFlow: CosyVoice2's or
+    CosyVoice3's) is batched and cached,
     others run one job at a time through `flow.inference`. `estimator` (see
     async_cosyvoice.estimator) replaces the flow's own estimator module in `Flow.forward`.
     speaker_cache_bytes: device memory for registered speakers' prompt prefixes (LRU).
@@ -118,7 +120,7 @@ class Token2WavRunner:
     (token2wav/slot_calls.py: one CUDA graph per bucket); None: the state lives on each stream.
     """
 
-    def __init__(self, flow: FlowLike, hift: HiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
+    def __init__(self, flow: FlowLike, hift: HiFT | CausalHiFT, recorder: Callable[[ChunkRecord], None] | None = None, *,
                  estimator: Callable[..., Tensor] | None = None, length_bucket_ratio: float = 1.5,
                  max_flow_batch: int | None = None, flow_cache: bool = True, speaker_cache_bytes: int = 2 << 30,
                  max_cached_tokens: int | None = None, chunked_final: bool = False,
@@ -136,7 +138,7 @@ class Token2WavRunner:
         self.max_flow_batch = max_flow_batch
         self.stats = RunnerStats()
         self._cuda_stream: torch.cuda.Stream | None = None  # CUDA: created on first use, in the device thread
-        self._batched_flow = isinstance(flow, Flow)
+        self._batched_flow = isinstance(flow, MaskedDiffFlow)
         self.flow_cache = flow_cache and self._batched_flow
         # the cache's state: in a pool of slots (slot_calls.pool; graph-capturable) or per stream
         self.slot_calls = slot_calls if self.flow_cache else None
@@ -157,6 +159,11 @@ class Token2WavRunner:
     @property
     def device(self) -> torch.device:
         return next(self.hift.parameters()).device
+
+    @property
+    def causal_vocoder(self) -> bool:
+        """The vocoder is CosyVoice3's CausalHiFT: streams carry carry.CausalCarry."""
+        return isinstance(self.hift, CausalHiFT)
 
     def cuda_stream(self):
         """Context for token2wav's device work (in the device thread): on CUDA, our own stream
@@ -275,9 +282,9 @@ class Token2WavRunner:
         if state is None or state.tokens > P + job.token_offset:  # none yet, or a job re-run: restart
             state = self._speaker_prefix(s)
         start = 0 if state is None else state.tokens
-        keep = chunk_floor(end, self.flow.dims.encoder.static_chunk_size) if not job.finalize else 0
+        keep = chunk_floor(end, self.flow.chunk_tokens) if not job.finalize else 0
         if self.max_cached_tokens is not None:
-            keep = min(keep, chunk_floor(self.max_cached_tokens, self.flow.dims.encoder.static_chunk_size))
+            keep = min(keep, chunk_floor(self.max_cached_tokens, self.flow.chunk_tokens))
         return state, end - start, max(start, keep)
 
     # -- the cache's state in a pool of slots (token2wav/state_pool.py, slot_calls.py)
@@ -378,7 +385,7 @@ class Token2WavRunner:
         """The stream's speaker prompt prefix (computed on a miss), or None (ad-hoc prompt, or too short)."""
         key = s.prompt_key
         dims = self.flow.dims
-        n = speaker_prefix_tokens(s.prompt_token.shape[1], dims.encoder.static_chunk_size, dims.pre_lookahead_len)
+        n = speaker_prefix_tokens(s.prompt_token.shape[1], self.flow.chunk_tokens, dims.pre_lookahead_len)
         if key is None or n == 0 or self.speaker_prefixes.budget_bytes == 0:
             return None
         tokens = s.prompt_token.reshape(-1)[:n + dims.pre_lookahead_len].cpu()
@@ -450,7 +457,8 @@ class Token2WavRunner:
         hift_out: list[HiFTOutput | None] = [None] * len(jobs)
         for group in length_groups([mel.shape[2] for mel, _ in inputs], self.length_bucket_ratio):
             group_out = render_group(self.hift, self.hift_graphs, [inputs[i][0] for i in group],
-                                     [inputs[i][1] for i in group], [jobs[i].stream.noise for i in group])
+                                     [inputs[i][1] for i in group], [jobs[i].stream.noise for i in group],
+                                     [jobs[i].finalize for i in group])
             self.stats.hift_calls += 1
             self.stats.hift_items += len(group)
             for i, out in zip(group, group_out):

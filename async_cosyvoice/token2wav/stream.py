@@ -3,14 +3,14 @@
 Two halves, kept apart so a cross-stream batcher can run many streams' chunks together:
 
 - plan: `Token2WavStream` is one segment's state (prompt on the device, the speech tokens so far
-  in a growing buffer, hop schedule, token offset, HiFT caches). `append(tokens)` adds what the
+  in a growing buffer, hop schedule, token offset, vocoder carry). `append(tokens)` adds what the
   LM produced; `next_job(llm_done)` says what to compute next, or None (wait for tokens). Planning
   changes nothing; a job is applied to its stream exactly once, in order.
 - run: `Token2WavRunner.run_many(jobs)` computes jobs of many streams with a Flow and a HiFT module:
       flow mel  = Flow.forward over padded length groups (batched across streams)
       mel, cache = stream.hift_input(job, flow mel)      (pure)
-      speech, source = render_group(hift, mels, caches)  (one padded call per length group)
-      samples = stream.finish(job, mel, speech, source)  (cross-fade, caches, advance)
+      speech, source = render_group(hift, …)             (one padded call per length group)
+      samples = stream.finish(job, mel, speech, source)  (the carry, advance)
 
 Schedule (facts sheet §5, upstream `CosyVoice2Model.tts` / `token2wav`), except that the hop
 state belongs to one request (upstream mutates a hop shared by all requests):
@@ -21,44 +21,26 @@ state belongs to one request (upstream mutates a hop shared by all requests):
   offset + hop + 3 with chunked attention, and the mel after 2*offset is kept. When the LLM is
   done and no full chunk is left, one final call renders the rest with full attention.
 - non-streaming: a single final call over all tokens; `speed` != 1 resamples its mel.
-- HiFT carries 8 mel frames, 3840 source and 3840 speech samples from chunk to chunk; each new
-  chunk's first 3840 samples are cross-faded with the held-back tail (Hamming(7680) halves,
-  computed in float64) and every non-final chunk withholds its last 3840 samples. A first chunk
-  shorter than the cache (first hop < 4 tokens, which upstream cannot run) is held back whole
-  and the next cross-fade is as long as what was held.
+- the vocoder's state between chunks is a carry (carry.py): CosyVoice2's HiFT cross-fades 3840
+  samples and carries 8 mel frames and the source tail; CosyVoice3's causal HiFT (causal_vocoder)
+  re-vocodes every mel frame so far and emits the samples past the previous end.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..models.flow.prefix import FlowState
 from ..models.hift import NSFNoise
 from ..request import ChunkTiming
+from .carry import CausalCarry, CrossfadeCarry, VocoderCarry, crossfade
 from .schedule import ChunkSchedule, adaptive_hop
 from .state_pool import SlotLease
 
 __all__ = ["Token2WavJob", "Token2WavStream", "FlowLike", "crossfade", "request_noise"]
-
-
-@functools.lru_cache(maxsize=8)
-def _hamming64(n: int) -> Tensor:
-    return torch.from_numpy(np.hamming(n))  # float64, symmetric, like upstream's speech_window
-
-
-def crossfade(new: Tensor, old_tail: Tensor) -> Tensor:
-    """Fade the head of `new` (…, L') in over `old_tail` (…, L): new[:L]*w[:L] + old*w[L:],
-    w = Hamming(2L) in float64, result in new's dtype. Returns a new tensor."""
-    n = old_tail.shape[-1]
-    w = _hamming64(2 * n).to(new.device)
-    head = new[..., :n].double() * w[:n] + old_tail.double() * w[n:]
-    return torch.cat([head.to(new.dtype), new[..., n:]], dim=-1)
 
 
 class FlowLike(Protocol):
@@ -85,13 +67,6 @@ class Token2WavJob:
         return int(self.tokens.shape[1])
 
 
-@dataclass
-class _HiFTCache:
-    mel: Tensor     # (1, 80, mel_cache_len)
-    source: Tensor  # (1, 1, source_cache_len)
-    speech: Tensor  # (1, source_cache_len), after its own cross-fade
-
-
 class Token2WavStream:
     """One segment's token2wav state. Not shared; dropped with its Utterance.
 
@@ -102,12 +77,14 @@ class Token2WavStream:
 
     def __init__(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, *, stream: bool = True,
                  schedule: ChunkSchedule = ChunkSchedule(), speed: float = 1.0, noise: NSFNoise | None = None,
-                 device: torch.device | str | None = None, prompt_key: str | None = None):
+                 device: torch.device | str | None = None, prompt_key: str | None = None,
+                 causal_vocoder: bool = False):
         """prompt_token (1, P) speech ids, prompt_feat (1, token_mel_ratio*P, 80) prompt mel,
         embedding (1, 192) x-vector, moved to `device` once (the runner's device; None: left where
         they are). noise: the NSF policy of every HiFT call (None: torch's default RNG, like
         upstream). prompt_key: names a registered speaker's prompt (shared prompt state may be
-        cached under it); None for a prompt of this request only. Inputs are trusted: the
+        cached under it); None for a prompt of this request only. causal_vocoder: the vocoder is
+        CosyVoice3's CausalHiFT (its carry is carry.CausalCarry). Inputs are trusted: the
         request rules (async_cosyvoice.rules) have checked speed and hops."""
         prompt_token = torch.as_tensor(prompt_token).reshape(1, -1).to(torch.int32)
         n_prompt = prompt_token.shape[1]
@@ -131,7 +108,7 @@ class Token2WavStream:
         self.finished = False
         self._tokens = torch.empty(64, dtype=torch.int32)  # CPU; grows by doubling, never re-packed
         self._n = 0
-        self._cache: _HiFTCache | None = None
+        self.carry: VocoderCarry = CausalCarry() if causal_vocoder else CrossfadeCarry(schedule)
         self.flow_state: FlowState | None = None  # the runner's: the exact flow state cache (token2wav/flow_cache.py)
         self.flow_lease: SlotLease | None = None  # the runner's: the stream's slot in its state pool (state_pool.py)
 
@@ -198,32 +175,15 @@ class Token2WavStream:
     def hift_input(self, job: Token2WavJob, flow_mel: Tensor) -> tuple[Tensor, Tensor | None]:
         """Flow output (1, 80, 2*(n_tokens[-3])) -> (mel for HiFT, cache_source or None)."""
         self._check(job)
-        mel = flow_mel[:, :, job.token_offset * self.schedule.token_mel_ratio:]
-        if self._cache is not None:
-            mel = torch.cat([self._cache.mel.to(mel.device, mel.dtype), mel], dim=2)
-            return mel, self._cache.source
-        if job.finalize and self.speed != 1.0:
-            mel = F.interpolate(mel, size=int(mel.shape[2] / self.speed), mode="linear")
-        return mel, None
+        return self.carry.hift_input(flow_mel[:, :, job.token_offset * self.schedule.token_mel_ratio:], job.finalize,
+                                     self.speed)
 
-    def finish(self, job: Token2WavJob, hift_mel: Tensor, speech: Tensor, source: Tensor) -> Tensor:
-        """Apply a job's HiFT output: cross-fade, update the caches and the schedule.
-        hift_mel (1, 80, T), speech (1, 480T), source (1, 1, 480T). Returns the samples to emit,
-        a 1-D float32 tensor on speech's device."""
+    def finish(self, job: Token2WavJob, hift_mel: Tensor, speech: Tensor, source: Tensor | None) -> Tensor:
+        """Apply a job's HiFT output: the carry (cross-fade and caches, or the causal offset), the
+        schedule. hift_mel (1, 80, T) from hift_input, speech (1, S) and source (1, 1, S') the
+        vocoder's. Returns the samples to emit, a 1-D float32 tensor on speech's device."""
         self._check(job)
-        sched = self.schedule
-        if self._cache is not None:
-            speech = crossfade(speech, self._cache.speech.to(speech.device))
-        if job.finalize:
-            out = speech
-            self._cache = None
-        else:
-            keep = sched.source_cache_len
-            # clones: the outputs may be views into a batch the cache must not keep alive
-            self._cache = _HiFTCache(mel=hift_mel[:, :, -sched.mel_cache_len:].clone(),
-                                     source=source[:, :, -keep:].clone(), speech=speech[:, -keep:].clone())
-            out = speech[:, :-keep]
-        out = out.reshape(-1).to(torch.float32)
+        out = self.carry.finish(hift_mel, speech, source, job.finalize).reshape(-1).to(torch.float32)
         self.advance(job, out.numel())
         return out
 

@@ -45,6 +45,7 @@ TOLERANCES: list[tuple[str, str, float | None]] = [
     ("e2e_*.npz", "token", None), ("e2e_*.npz", "prompt_*", None), ("e2e_*.npz", "embedding", None),
     ("e2e_*.npz", "token_hop_len", None), ("e2e_*.npz", "audio_seeded", None),
     ("e2e_*.npz", "seeded_torch_seed", None), ("e2e_llm_seeded.npz", "*", None),
+    ("e2e_llm_*.npz", "torch_seed", None),
     ("e2e_*.npz", "*source*", 1e-3),
     ("e2e_*.npz", "*", 1e-4),
 ]

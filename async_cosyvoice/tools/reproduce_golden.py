@@ -29,7 +29,8 @@ from ..frontend.model_input import SystemPrompt, build_model_input
 from ..frontend.prompt import PromptEncoder
 from ..frontend.spk2info import load_spk2info
 from ..frontend.text import write_text_golden
-from ..model_dir import TOKEN2WAV_CLASSES, ModelDir, Models, build_models, load_model_dir
+from ..model_dir import ModelDir, Models, build_models, load_model_dir
+from ..models.cosyvoice3.nsf_noise import FixedNSFNoise
 from ..models.hift import NSFNoise
 from ..request import Mode, Voice
 from ..sampling import nucleus, ras_sample
@@ -51,7 +52,7 @@ class Context:
         return np.load(self.golden / name)
 
     def t(self, a) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(a))
+        return torch.from_numpy(np.array(a))
 
 
 def _np(x) -> np.ndarray:
@@ -301,6 +302,106 @@ def e2e(ctx: Context, name: str) -> dict[str, np.ndarray]:
     return out
 
 
+# DiT internals of CFG step 1 the CosyVoice3 flow golden records (module outputs)
+DIT_INTERNALS = {"est_step1_time_embed": "time_embed", "est_step1_input_embed": "input_embed",
+                 "est_step1_block0_out": "transformer_blocks.0", "est_step1_norm_out": "norm_out"}
+
+
+def flow_cosyvoice3(ctx: Context) -> dict[str, np.ndarray]:
+    g = ctx.npz("flow.npz")
+    flow = ctx.models.flow
+    modules = dict(flow.decoder.estimator.named_modules())
+    out = {}
+    for prefix, streaming, finalize in (("nonstream", False, True), ("chunk", True, False)):
+        trace: dict = {}
+        def record(key: str):
+            def hook(module, args, output) -> None:  # returns None: the output is not replaced
+                trace.setdefault(key, output)  # CFG step 1 is the first call
+            return hook
+        hooks = [modules[m].register_forward_hook(record(key)) for key, m in DIT_INTERNALS.items()]
+        try:
+            flow.inference(ctx.t(g["token"]), ctx.t(g["prompt_token"]), ctx.t(g["prompt_feat"]), ctx.t(g["embedding"]),
+                           streaming=streaming, finalize=finalize, trace=trace)
+        finally:
+            for h in hooks:
+                h.remove()
+        trace["spk_proj"] = trace["spks"]  # the affine layer on the normalized x-vector is the CFM's spks
+        out.update({f"{prefix}/{k}": _np(v) for k, v in trace.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def hift_cosyvoice3(ctx: Context) -> dict[str, np.ndarray]:
+    g = ctx.npz("hift.npz")
+    mel = ctx.t(g["mel"])
+    hift = ctx.models.hift
+    real = hift.nsf_noise
+    out = {"nsf/rand_ini": _np(real.rand_ini), "nsf/sine_waves_prefix": _np(real.sine_noise(4800, "cpu"))}
+    for kind, noise in (("real", real), ("zero", FixedNSFNoise.zeros(ctx.model_dir.dims.hift.nb_harmonics + 1))):
+        hift.nsf_noise = noise
+        for call in ("final", "nonfinal"):
+            trace: dict = {}
+            speech, source = hift.inference(mel, finalize=call == "final", trace=trace)
+            out.update({f"{kind}/{call}/speech": _np(speech), f"{kind}/{call}/source": _np(source),
+                        f"{kind}/{call}/f0": _np(trace["f0"])})
+    hift.nsf_noise = real
+    return out
+
+
+@torch.inference_mode()
+def seeded_speech_tokens(ctx: Context, mode: str, seed: int, mi: dict[str, np.ndarray]) -> list[int]:
+    """The `e2e_llm_calls` entry point of `mode` after torch.manual_seed(seed): upstream's decode loop
+    (`generate_reference`) with RAS on torch's CPU generator, then the silence cap."""
+    tok, texts = ctx.model_dir.tokenizer(), ctx.inputs["texts"]
+    call = ctx.inputs["e2e_llm_calls"][mode]
+    fn, args = call.split("(", 1)
+    names = [a.strip()[len("texts."):] for a in args.split(",") if a.strip().startswith("texts.")]
+    text = tok.encode(texts[names[0]])
+    prompt_text = tok.encode(texts[names[1]]) if len(names) > 1 else []
+    speech = mi[f"{mode}/llm_prompt_speech_token"][0].tolist() if fn.endswith("zero_shot") else []
+    lm = ctx.models.llm
+    min_len, max_len = length_limits(len(text), lm.dims.min_token_text_ratio, lm.dims.max_token_text_ratio)
+    torch.manual_seed(seed)
+    out = lm.generate_reference(prompt_text + text, speech, min_len, max_len,
+                                lambda logp, decoded: ras_sample(logp, decoded, ctx.model_dir.dims.sampling))
+    return SilenceCap(lm.dims.silent_tokens).filter(out)
+
+
+def e2e_cosyvoice3(ctx: Context, name: str, mi: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A CosyVoice3 end-to-end golden through the production streaming path: Token2WavStream (the
+    schedule at the golden's hop, upstream's prompt-aligned first hop, the causal vocoder's carry)
+    and Token2WavRunner (batched DiT flow through the exact flow state cache, CausalHiFT with
+    upstream's NSF noise; the VC goldens' zero-noise audio with the noise-free source). The seeded
+    LLM runs render the tokens `seeded_speech_tokens` draws."""
+    g = ctx.npz(name)
+    md, models = ctx.model_dir, ctx.models
+    if "token" in g.files:  # VC: the fixed tokens with the golden's prompt
+        tokens = [int(t) for t in g["token"][0]]
+        prompt = [ctx.t(g[k]) for k in ("prompt_token", "prompt_feat", "embedding")]
+        hop = int(g["token_hop_len"][0])
+    else:  # seeded LLM: the frontend's prompt of the mode, upstream's hop 25
+        mode = name[len("e2e_llm_"):-len(".npz")].rsplit("_", 1)[0]
+        tokens = seeded_speech_tokens(ctx, mode, int(g["torch_seed"][0]), mi)
+        prompt = [ctx.t(mi[f"{mode}/{k}"]) for k in ("flow_prompt_speech_token", "prompt_speech_feat", "flow_embedding")]
+        hop = 25
+    streaming = not name.endswith("nonstream.npz")
+    zero_hift = build_models(md, with_llm=False).hift
+    zero_hift.nsf_noise = FixedNSFNoise.zeros(md.dims.hift.nb_harmonics + 1)
+    out: dict[str, np.ndarray] = {}
+    for key, hift in (("audio", models.hift), ("audio_zero_noise", zero_hift)):
+        records: list[ChunkRecord] = []
+        runner = Token2WavRunner(models.flow, hift, recorder=records.append)
+        stream = Token2WavStream(*prompt, stream=streaming, schedule=ChunkSchedule(first_hop=hop), causal_vocoder=True)
+        chunks = runner.render(stream, tokens)
+        out[key] = _np(torch.cat(chunks))[None]
+        out["chunk_lengths"] = np.array([c.numel() for c in chunks], np.int64)
+    for i, r in enumerate(records):  # upstream's flow output of each call, before the offset slice
+        out[f"call{i}/flow_mel"] = _np(models.flow.inference(
+            torch.tensor(tokens[:r.n_tokens])[None], *prompt, streaming=r.flow_streaming, finalize=r.finalize))
+    out["hift_in_mel_final"] = _np(records[-1].hift_in_mel)
+    out["speech_tokens"] = np.array(tokens, np.int64)[None]
+    return out
+
+
 # -- driver ---------------------------------------------------------------------------------------
 
 def reproduce(model_dir: str | Path, out_dir: str | Path, threads: int | None = 1) -> list[Path]:
@@ -312,8 +413,7 @@ def reproduce(model_dir: str | Path, out_dir: str | Path, threads: int | None = 
     if not (golden / "inputs.json").is_file():
         raise FileNotFoundError(f"{golden / 'inputs.json'} not found: {md.path} has no golden inputs")
     encoder = PromptEncoder.from_model_dir(md.path, mel=md.dims.feat, speech_tokenizer=md.speech_tokenizer_onnx.name)
-    token2wav = md.kind in TOKEN2WAV_CLASSES
-    ctx = Context(md, golden, build_models(md, with_token2wav=token2wav), encoder,
+    ctx = Context(md, golden, build_models(md), encoder,
                   json.loads((golden / "inputs.json").read_text(encoding="utf-8")))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -330,7 +430,11 @@ def reproduce(model_dir: str | Path, out_dir: str | Path, threads: int | None = 
         save("llm.npz", llm(ctx, mi))
     if (golden / "ras.npz").is_file():
         save("ras.npz", ras(ctx))
-    if not token2wav:
+    if md.kind == "cosyvoice3":
+        save("flow.npz", flow_cosyvoice3(ctx))
+        save("hift.npz", hift_cosyvoice3(ctx))
+        for path in sorted(golden.glob("e2e_*.npz")):
+            save(path.name, e2e_cosyvoice3(ctx, path.name, mi))
         return written
     if (golden / "flow.npz").is_file():
         save("flow.npz", flow(ctx))

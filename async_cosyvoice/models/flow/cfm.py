@@ -8,8 +8,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from ..dims import CFMParams, EstimatorDims
-from .estimator import CausalConditionalDecoder
+from ..dims import CFMParams
 
 Estimator = Callable[..., Tensor]  # (x, mask, mu, t, spks, cond, streaming) -> v
 
@@ -34,10 +33,14 @@ def time_grid(n_steps: int, scheduler: str, device=None) -> Tensor:
 
 
 class CausalConditionalCFM(nn.Module):
-    def __init__(self, estimator_dims: EstimatorDims, params: CFMParams):
+    """The ODE solver around a vector-field estimator: CosyVoice2's U-Net (estimator.py) or
+    CosyVoice3's DiT (cosyvoice3/dit.py). Both take (x, mask, mu, t, spks, cond, streaming) and,
+    for a cached call, `cache=(cursor, geometry)`."""
+
+    def __init__(self, estimator: nn.Module, params: CFMParams):
         super().__init__()
         self.params = params
-        self.estimator = CausalConditionalDecoder(estimator_dims)
+        self.estimator = estimator
 
     def forward(
         self,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..dims import EncoderDims
+from .lookahead import PreLookaheadLayer, causal_input
 from .masks import attention_mask, length_mask
 from .prefix import Cursor, Geometry
 
@@ -41,23 +42,6 @@ class LinearEmbed(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(x) * self.xscale
-
-
-class PreLookaheadLayer(nn.Module):
-    """Each frame sees itself and the next `lookahead` frames, then a causal k3 conv; residual."""
-
-    def __init__(self, channels: int, lookahead: int):
-        super().__init__()
-        self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
-        self.conv2 = nn.Conv1d(channels, channels, 3)
-
-    def forward(self, x: Tensor, cache: Cache = None) -> Tensor:
-        """x (B, T + lookahead, C), the last `lookahead` frames being right context -> (B, T, C)."""
-        h = F.leaky_relu(self.conv1(x.transpose(1, 2)))
-        h = _causal_input(h, self.conv2.kernel_size[0] - 1, cache)
-        h = self.conv2(h)
-        return h.transpose(1, 2) + x[:, : h.size(2)]
 
 
 class RelPositionAttention(nn.Module):
@@ -137,7 +121,7 @@ class Upsample1D(nn.Module):
     def forward(self, x: Tensor, cache: Cache = None) -> Tensor:
         """(B, C, T) -> (B, C, stride·T)."""
         x = x.repeat_interleave(self.stride, dim=2)
-        return self.conv(_causal_input(x, 2 * self.stride, cache))
+        return self.conv(causal_input(x, 2 * self.stride, cache))
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -227,10 +211,3 @@ class UpsampleConformerEncoder(nn.Module):
             x = layer(x, pos, mask, (cursor, g))
         return x
 
-
-def _causal_input(x: Tensor, context: int, cache: Cache) -> Tensor:
-    """x (B, C, T) with `context` frames of left context: zeros, or the cached frames before a cached call."""
-    if cache is None:
-        return F.pad(x, (context, 0))
-    cursor, g = cache
-    return cursor.conv(x, context, g)
