@@ -54,7 +54,7 @@ def test_fixture_reads_as_before(tiny_dir):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_round_trip(preset):
     dims = PRESETS[preset].dims
-    assert read_dims(load_recipe(recipe_yaml(dims)), dims.lm.qwen) == dims
+    assert read_dims(load_recipe(recipe_yaml(dims)), dims.lm.qwen, kind=dims.kind) == dims
     assert read_qwen_dims(qwen_config(dims.lm.qwen), "config.json") == dims.lm.qwen
 
 
