@@ -6,6 +6,7 @@ import asyncio
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
+from async_cosyvoice.demo import served_model_name
 from async_cosyvoice.errors import InvalidRequest, NotReady
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.speakers import validate_speaker_id
@@ -18,7 +19,7 @@ from .speech import peer
 router = APIRouter()
 health = APIRouter()
 
-TOKENS_PER_SECOND = 25  # CosyVoice2 speech tokens per second of audio
+TOKENS_PER_SECOND = 25  # speech tokens per second of audio (CosyVoice2 and CosyVoice3)
 
 
 def _voice(info, aliases: dict[str, str]) -> dict:
@@ -83,7 +84,7 @@ async def delete_voice(voice_id: str, request: Request):
 @router.get("/v1/models")
 async def list_models(request: Request):
     backend = backend_of(request)
-    name = backend.config.server.served_model_name
+    name = served_model_name(backend.config)
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "async_cosyvoice"}]}
 
 

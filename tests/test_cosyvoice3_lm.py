@@ -262,5 +262,9 @@ def test_bistream_schedule_puts_the_system_prompt_after_sos():
     final = s2.next_input()
     assert final[-1] == (Table.SPEECH, (6563,))  # task
     assert s2.accept(6562) is Verdict.END
+    s3 = BistreamSchedule(prompt, [], (5, 15), ids=ids, system_len=3)
+    s3.end_text()
+    assert s3.next_input()[-1] == (Table.SPEECH, (6563,))
+    assert s3.accept(6700) is Verdict.END  # after the text, any CosyVoice3 stop id ends it (unistream's rule)
     with pytest.raises(ValueError, match="must begin with its system part"):
         BistreamSchedule([1, 2], [], (5, 15), ids=ids)

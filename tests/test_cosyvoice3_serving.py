@@ -9,8 +9,10 @@ tests/test_cosyvoice3_lm.py check."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,7 @@ from async_cosyvoice.token2wav import ChunkSchedule
 from async_cosyvoice.tts import SyncSynthesizer
 from grpc_async.client import CosyVoiceClient, chunk_samples
 from grpc_async.server import ServerThread
+from websockets.asyncio.client import connect as ws_connect
 
 SAMPLES_PER_TOKEN = 960
 TEXT = "Hello there, how are you today?"
@@ -178,11 +181,12 @@ def server3(tiny_dir, tiny3_dir, tmp_path_factory):
     cfg = Config.model_validate({
         "model": {"dir": str(tiny3_dir)},
         "speakers": {"dir": str(spk_dir)},
-        "server": {"port": 0, "metrics_port": 0, "grace_seconds": 5},
+        "server": {"port": 0, "http_port": 0, "metrics_port": 0, "grace_seconds": 5},
         "limits": {"max_concurrent_streams": 8, "max_text_chars": 400, "max_prompt_seconds": 5.0},
     })
     st = ServerThread(cfg, ready_timeout=None)
     st.call(st.server.wait_ready(), timeout=900)
+    st.base = f"http://127.0.0.1:{st.server.http_port}"
     yield st
     st.close(grace=1)
 
@@ -230,3 +234,70 @@ def test_grpc_registers_and_lists_cosyvoice3_speakers(server3, tiny3_dir):
     s, listed = asyncio.run(body())
     assert s.model_kind == "cosyvoice3"
     assert listed["grpc3"] == "cosyvoice3" and listed["cv2_zs_spk"] == "cosyvoice2"
+
+
+def test_grpc_server_info_names_the_model(server3):
+    async def body():
+        async with CosyVoiceClient(server3.target) as client:
+            return await client.get_server_info()
+    assert asyncio.run(body()).model == "cosyvoice3"
+
+
+# ---- the HTTP door and its WebSocket (same server) ------------------------------------------
+
+def test_http_models_voices_and_speech(server3):
+    with httpx.Client(base_url=server3.base, timeout=120) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["cosyvoice3"]
+        voices = {v["id"]: v for v in http.get("/v1/audio/voices").json()["data"]}
+        assert voices["tiny_zs_spk"]["model_kind"] == "cosyvoice3" and voices["cv2_zs_spk"]["model_kind"] == "cosyvoice2"
+        r = http.post("/v1/audio/speech", json={"model": "cosyvoice3", "voice": "tiny_zs_spk", "input": TEXT,
+                                                "response_format": "pcm", "seed": 5,
+                                                "instructions": "Speak slowly."})
+        assert r.status_code == 200, r.text
+        samples = np.frombuffer(r.content, "<i2")
+        assert len(samples) > 0 and len(samples) % SAMPLES_PER_TOKEN == 0
+        refused = http.post("/v1/audio/speech", json={"model": "cosyvoice3", "voice": "cv2_zs_spk", "input": TEXT})
+        assert refused.status_code == 400
+        assert "registered with a cosyvoice2 model" in refused.json()["error"]["message"]
+
+
+def test_websocket_streams_text_into_the_cosyvoice3_lm(server3):
+    """Text pieces go into one LM request (bistream: the system prompt after sos, fills 6564)."""
+    async def session():
+        received = []
+        url = f"ws://127.0.0.1:{server3.server.http_port}/v1/audio/speech/stream"
+        async with ws_connect(url, max_size=1 << 24) as ws:
+            # seed 1: the random-weight fixture samples no stray stop id while the text streams
+            for m in ({"type": "config", "voice": "tiny_zs_spk", "format": "pcm", "options": {"seed": 1}},
+                      {"type": "text", "text": "Hi there, "}, {"type": "text", "text": "how are"},
+                      {"type": "text", "text": " you today?"}, {"type": "end"}):
+                await ws.send(json.dumps(m))
+            async for frame in ws:
+                received.append(json.loads(frame))
+        return received
+    received = asyncio.run(session())
+    assert received[0]["type"] == "ready" and received[0]["text_mode"] == "bistream"
+    assert received[-1]["type"] == "done", received[-1]
+    audio = [m for m in received if m["type"] == "audio"]
+    assert audio and sum(m["num_samples"] for m in audio) % SAMPLES_PER_TOKEN == 0
+
+
+# ---- the command line, in-process ----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_cli_speakers_and_synthesize(tiny3_dir, tmp_path, capsys):
+    from cosyvoice_cli.cli import main
+
+    common = ["--model-dir", str(tiny3_dir), "--speakers-dir", str(tmp_path / "spk")]
+    assert main(["speakers", "import", str(tiny3_dir / "spk2info.pt"), *common]) == 0
+    assert "imported 1 cosyvoice3 speakers: tiny_zs_spk" in capsys.readouterr().out
+    assert main(["speakers", "show", "tiny_zs_spk", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["model_kind"] == "cosyvoice3"
+    out = tmp_path / "out.wav"
+    assert main(["synthesize", "--speaker", "tiny_zs_spk", "--text", "Hello there.", "--stream", "--seed", "1",
+                 "--max-tokens", "30", "--out", str(out), *common]) == 0
+    import soundfile as sf
+    audio, rate = sf.read(out)
+    assert rate == 24000 and audio.shape == (30 * 960,)
+    assert main(["synthesize", "--prompt-wav", str(tiny3_dir / "golden" / "prompt_24k.wav"), "--text", "Hi.",
+                 "--instruct", "Speak slowly.", "--max-tokens", "20", "--out", str(out), *common]) == 0

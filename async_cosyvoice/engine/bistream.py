@@ -22,7 +22,9 @@ CosyVoice3 (`ids` of kind cosyvoice3, upstream `CosyVoice3LM` through the same l
 up to and including `<|endofprompt|>` (its first `system_len` tokens, which the caller locates with
 its tokenizer) follows `[sos]` in the first input and only the rest starts the text cache, so with no prompt speech decoding starts at the first text token (upstream's
 `lm_input.size(1) == 1` test no longer holds); the stop ids are 6561..6760, its fill 6564 and its
-EOS 6562, so every other id >= 6561 raises as above.
+EOS 6562: while text streams every other stop id raises as above, after the text any stop id ends
+the request (`SpeechIds.ends_bistream`: CosyVoice3's unistream rule; upstream would raise on all but
+6562).
 
 `training_consistent=True` is the layout the model was trained on instead: the fill is due at
 once when the prompt fills whole 15-token groups, and the final input does not repeat the last
@@ -161,7 +163,7 @@ class BistreamSchedule:
                 raise UnexpectedStopToken(f"the LM sampled stop id {token} while text was streaming "
                                           "(upstream's bistream loop raises here too)")
         else:
-            if token == self.ids.eos:
+            if self.ids.ends_bistream(token):
                 self.phase = Phase.DONE
                 return Verdict.END
             if self.ids.is_stop(token):

@@ -64,6 +64,13 @@ class SpeechIds:
     def is_stop(self, token: int) -> bool:
         return token >= self.size
 
+    def ends_bistream(self, token: int) -> bool:
+        """Whether `token`, sampled after a bistream request's text ended, ends it. CosyVoice2: its EOS
+        only (upstream raises on 6562/6563). CosyVoice3: any stop id, as its unistream decode stops on
+        all 200 (upstream's bistream loop, written for CosyVoice2's three ids, would raise on all but
+        6562: with random weights nearly every request, with the released model practically never)."""
+        return token == self.eos or (self.sos is not None and self.is_stop(token))
+
 
 @dataclass(frozen=True)
 class Qwen2Dims:
