@@ -60,7 +60,7 @@ PRESETS: dict[str, Preset] = {
     "cosyvoice2-0.5b": Preset("cosyvoice2-0.5b", ModelDims(), bpe_vocab=1000, campplus_hidden=64,
                               s3tok_hidden=64),
     "cosyvoice3-tiny": Preset("cosyvoice3-tiny", _tiny3_dims(), bpe_vocab=1000, campplus_hidden=32, s3tok_hidden=16),
-    # Fun-CosyVoice3-0.5B's dims (~2.6 GB of fp32 weights; LM as CosyVoice2-0.5B's, 332M DiT flow, 21M vocoder)
+    # Fun-CosyVoice3-0.5B's dims (~3.4 GB of fp32 weights: LM 506M, DiT flow 332M, vocoder 21M parameters)
     "cosyvoice3-0.5b": Preset("cosyvoice3-0.5b", cosyvoice3_dims(), bpe_vocab=1000, campplus_hidden=64,
                               s3tok_hidden=64),
 }
