@@ -374,7 +374,8 @@ def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = 
         return module.to(device=device, dtype=mod_dtype).eval()
 
     return Models(
-        llm=load(LM_CLASSES[md.kind], md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype) if with_llm else None,
+        llm=load(LM_CLASSES[md.kind], md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype)
+        if with_llm else None,
         flow=load(flow_cls, md.dims.flow, md.flow_state_dict, FLOW_FILE, dtype) if with_token2wav else None,
         hift=load(lambda d: hift_cls(d, md.dims.flow), md.dims.hift, md.hift_state_dict, HIFT_FILE, torch.float32)
         if with_token2wav else None)

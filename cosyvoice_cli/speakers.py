@@ -92,8 +92,9 @@ def _local(args) -> int:
     elif args.action == "show":
         r = store.get(args.id)
         shown = _shown(*_info_fields(r.info))
-        shown.update(prompt_text_tokens=int(r.voice.prompt_text_tokens.size), speech_feat=list(r.voice.speech_feat.shape),
-                     embedding=list(r.voice.embedding.shape), model_kind=r.model_kind)
+        shown.update(prompt_text_tokens=int(r.voice.prompt_text_tokens.size),
+                     speech_feat=list(r.voice.speech_feat.shape), embedding=list(r.voice.embedding.shape),
+                     model_kind=r.model_kind)
         print(json.dumps(shown, indent=2))
     elif args.action == "rm":
         store.delete(args.id)

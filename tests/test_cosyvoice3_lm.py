@@ -130,7 +130,8 @@ def test_system_prompt_is_added_only_where_the_marker_is_missing(md):
     sft = build_model_input(Mode.SFT, Voice.embedding_only(np.ones(192, np.float32)), text_tokens=text,
                             system_prompt=system)
     assert sft.text.tolist()[:len(system.tokens)] == list(system.tokens)
-    assert instruction_text("请用四川话表达。", "cosyvoice3") == "You are a helpful assistant. 请用四川话表达。<|endofprompt|>"
+    assert instruction_text("请用四川话表达。", "cosyvoice3") == \
+        "You are a helpful assistant. 请用四川话表达。<|endofprompt|>"
     assert instruction_text("Speak slowly.<|endofprompt|>", "cosyvoice3") == "Speak slowly.<|endofprompt|>"
     assert instruction_text("Speak slowly.", "cosyvoice2") == "Speak slowly.<|endofprompt|>"
     instruct = build_model_input(Mode.INSTRUCT2, voice, text_tokens=text, system_prompt=system,

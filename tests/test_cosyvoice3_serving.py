@@ -22,7 +22,7 @@ from async_cosyvoice.errors import Unsupported
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
-from async_cosyvoice.speakers import SpeakerStore
+from async_cosyvoice.speakers import SpeakerRecord, SpeakerStore
 from async_cosyvoice.token2wav import ChunkSchedule
 from async_cosyvoice.tts import SyncSynthesizer
 from grpc_async.client import CosyVoiceClient, chunk_samples
@@ -32,13 +32,15 @@ from websockets.asyncio.client import connect as ws_connect
 SAMPLES_PER_TOKEN = 960
 TEXT = "Hello there, how are you today?"
 TRANSCRIPT = "The morning train was late again, so I walked along the river."
-CV3_MODES = [Mode.ZERO_SHOT, Mode.CROSS_LINGUAL, Mode.INSTRUCT2, Mode.ZERO_SHOT_BY_SPK_ID,
+CV3_MODES = [Mode.ZERO_SHOT, Mode.CROSS_LINGUAL, Mode.INSTRUCT2, Mode.SFT, Mode.ZERO_SHOT_BY_SPK_ID,
              Mode.INSTRUCT2_BY_SPK_ID, Mode.VC]
 
 
 def _store(spk_dir, tiny_dir, tiny3_dir) -> SpeakerStore:
     store = SpeakerStore(spk_dir)
     store.import_spk2info(tiny3_dir / "spk2info.pt", model_kind="cosyvoice3")  # tiny_zs_spk
+    # an embedding-only (sft) speaker: upstream's inference_sft, which CosyVoice3 inherits
+    store.put(SpeakerRecord.sft("sft3", store.get("tiny_zs_spk").voice.embedding, model_kind="cosyvoice3"))
     store.import_spk2info(tiny_dir / "spk2info.pt", rename={"tiny_zs_spk": "cv2_zs_spk", "tiny_sft_spk": "cv2_sft_spk"},
                           model_kind="cosyvoice2")
     return store
@@ -71,6 +73,7 @@ def _request(mode, prompt, stream, **kw) -> SynthesisRequest:
         Mode.ZERO_SHOT: dict(prompt_audio=prompt, prompt_text=TRANSCRIPT),
         Mode.CROSS_LINGUAL: dict(prompt_audio=prompt),
         Mode.INSTRUCT2: dict(prompt_audio=prompt, instruct_text="请用四川话表达。"),
+        Mode.SFT: dict(speaker_id="sft3"),
         Mode.ZERO_SHOT_BY_SPK_ID: dict(speaker_id="reg3"),
         Mode.INSTRUCT2_BY_SPK_ID: dict(speaker_id="tiny_zs_spk", instruct_text="Speak slowly."),
         Mode.VC: dict(prompt_audio=prompt, source_audio=prompt),
@@ -89,21 +92,21 @@ def _reference_audio(models, voice_inputs, tokens, stream: bool, schedule: Chunk
     if not stream:
         mel = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=False, finalize=True)
         return hift.inference(mel, finalize=True)[0][0].numpy()
-    out, offset, hop, emitted = [], 0, schedule.first_hop, 0
+    out, offset, hop, emitted, full = [], 0, schedule.first_hop, 0, None
     while True:
         this_hop = hop
         if len(tokens) - offset < this_hop + 3:
             break
         mel = flow.inference(token[:, :offset + this_hop + 3], prompt_token, prompt_feat, embedding,
                              streaming=True, finalize=False)
-        full = mel if offset == 0 else torch.cat([full, mel[:, :, offset * 2:]], dim=2)
+        full = mel if full is None else torch.cat([full, mel[:, :, offset * 2:]], dim=2)
         speech = hift.inference(full, finalize=False)[0][0].numpy()
         out.append(speech[emitted:])
         emitted = len(speech)
         offset += this_hop
         hop = min(schedule.max_hop, hop * schedule.hop_scale)
     mel = flow.inference(token, prompt_token, prompt_feat, embedding, streaming=False, finalize=True)
-    full = mel if offset == 0 else torch.cat([full, mel[:, :, offset * 2:]], dim=2)
+    full = mel if full is None else torch.cat([full, mel[:, :, offset * 2:]], dim=2)
     out.append(hift.inference(full, finalize=True)[0][0].numpy()[emitted:])
     return np.concatenate(out)
 
@@ -198,13 +201,13 @@ async def _synth(st, text, **kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
-@pytest.mark.parametrize("mode", ["zero_shot", "cross_lingual", "instruct2", "zero_shot_by_spk_id",
+@pytest.mark.parametrize("mode", ["zero_shot", "cross_lingual", "instruct2", "sft", "zero_shot_by_spk_id",
                                   "instruct2_by_spk_id", "vc"])
 def test_grpc_every_mode(server3, tiny3_dir, mode, stream):
     p24 = (tiny3_dir / "golden" / "prompt_24k.wav").read_bytes()
     p16 = (tiny3_dir / "golden" / "prompt_16k.wav").read_bytes()
     kw = {"zero_shot": dict(prompt_audio=p24, prompt_text=TRANSCRIPT), "cross_lingual": dict(prompt_audio=p16),
-          "instruct2": dict(prompt_audio=p24, instruct_text="Speak slowly."),
+          "instruct2": dict(prompt_audio=p24, instruct_text="Speak slowly."), "sft": dict(speaker_id="sft3"),
           "zero_shot_by_spk_id": dict(speaker_id="tiny_zs_spk"),
           "instruct2_by_spk_id": dict(speaker_id="tiny_zs_spk", instruct_text="Speak slowly."),
           "vc": dict(source_audio=p16, prompt_audio=p24)}[mode]
@@ -249,7 +252,8 @@ def test_http_models_voices_and_speech(server3):
     with httpx.Client(base_url=server3.base, timeout=120) as http:
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["cosyvoice3"]
         voices = {v["id"]: v for v in http.get("/v1/audio/voices").json()["data"]}
-        assert voices["tiny_zs_spk"]["model_kind"] == "cosyvoice3" and voices["cv2_zs_spk"]["model_kind"] == "cosyvoice2"
+        assert voices["tiny_zs_spk"]["model_kind"] == "cosyvoice3"
+        assert voices["cv2_zs_spk"]["model_kind"] == "cosyvoice2"
         r = http.post("/v1/audio/speech", json={"model": "cosyvoice3", "voice": "tiny_zs_spk", "input": TEXT,
                                                 "response_format": "pcm", "seed": 5,
                                                 "instructions": "Speak slowly."})

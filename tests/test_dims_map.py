@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from async_cosyvoice.dims_map import (
-    QWEN_FIELDS, RECIPE_FIELDS, RECIPE_FIELDS_BY_KIND, base_dims, qwen_config, read_dims, read_qwen_dims,
+    QWEN_FIELDS, RECIPE_FIELDS_BY_KIND, base_dims, qwen_config, read_dims, read_qwen_dims,
     write_recipe,
 )
 from async_cosyvoice.errors import ModelDirError

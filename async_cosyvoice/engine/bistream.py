@@ -20,8 +20,9 @@ chunking of the text:
 
 CosyVoice3 (`ids` of kind cosyvoice3, upstream `CosyVoice3LM` through the same loop): the prompt text
 up to and including `<|endofprompt|>` (its first `system_len` tokens, which the caller locates with
-its tokenizer) follows `[sos]` in the first input and only the rest starts the text cache, so with no prompt speech decoding starts at the first text token (upstream's
-`lm_input.size(1) == 1` test no longer holds); the stop ids are 6561..6760, its fill 6564 and its
+its tokenizer) follows `[sos]` in the first input and only the rest starts the text cache, so with
+no prompt speech decoding starts at the first text token (upstream's `lm_input.size(1) == 1` test
+no longer holds); the stop ids are 6561..6760, its fill 6564 and its
 EOS 6562: while text streams every other stop id raises as above, after the text any stop id ends
 the request (`SpeechIds.ends_bistream`: CosyVoice3's unistream rule; upstream would raise on all but
 6562).

@@ -381,7 +381,8 @@ def e2e_cosyvoice3(ctx: Context, name: str, mi: dict[str, np.ndarray]) -> dict[s
     else:  # seeded LLM: the frontend's prompt of the mode, upstream's hop 25
         mode = name[len("e2e_llm_"):-len(".npz")].rsplit("_", 1)[0]
         tokens = seeded_speech_tokens(ctx, mode, int(g["torch_seed"][0]), mi)
-        prompt = [ctx.t(mi[f"{mode}/{k}"]) for k in ("flow_prompt_speech_token", "prompt_speech_feat", "flow_embedding")]
+        prompt = [ctx.t(mi[f"{mode}/{k}"])
+                  for k in ("flow_prompt_speech_token", "prompt_speech_feat", "flow_embedding")]
         hop = 25
     streaming = not name.endswith("nonstream.npz")
     zero_hift = build_models(md, with_llm=False).hift
