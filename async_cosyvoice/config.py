@@ -78,6 +78,14 @@ class Token2WavConfig(_Section):
     flow_cache: bool = True
     flow_cache_speaker_bytes: int = Field(2 << 30, ge=0)  # device memory for speakers' prompt prefixes (LRU)
     flow_cache_max_tokens: int | None = Field(None, ge=0)  # per stream: no state cached past this many tokens
+    # the cache's state in a pool of this many stream slots at fixed addresses (token2wav/state_pool.py), each
+    # holding up to flow_cache_slot_tokens prompt + target tokens; speakers' prefixes take slots of
+    # flow_cache_speaker_bytes. Cached calls are then one CUDA graph per (streams, new tokens) bucket on CUDA
+    # (flow_cache_graphs). A stream finding no free slot, or outgrowing its slot, recomputes (exact).
+    # None: the state is kept per stream (any length, no graphs).
+    flow_cache_slots: int | None = Field(None, ge=1)
+    flow_cache_slot_tokens: int = Field(400, ge=1)
+    flow_cache_graphs: bool = True
     # the final chunk also from the cache, with chunked attention: NOT exact (upstream's final uses full attention)
     flow_cache_chunked_final: bool = False
     # non-streaming utterances: rendered together in length-sorted, padded batches (docs/offline.md)

@@ -166,10 +166,17 @@ class Token2WavBatcher:
     async def capture_graphs(self, max_streams: int, tokens: range, frames: range) -> int:
         """Capture the CUDA graphs of 1, 2, 4, … up to max_streams streams now, in the device
         thread: the whole flow call's (token2wav/flow_graphs.py) x these token counts, HiFT's (token2wav/hift_graphs.py)
-        x these mel frame counts. Returns how many were new (0 without graphs)."""
+        x these mel frame counts, the cached flow call's (token2wav/slot_calls.py) x its first four
+        new-token buckets (a chunk's hop plus its recomputed partial encoder chunk; a speaker's prefix).
+        Returns how many were new (0 without graphs)."""
+        slot_calls = self.runner.slot_calls
+        new_tokens = () if slot_calls is None else range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
+                                                         slot_calls.min_step)
+
         def capture() -> int:
             new = 0
-            for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.hift_graphs, frames)):
+            for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.hift_graphs, frames),
+                                    (slot_calls, new_tokens)):
                 if graphs is not None:
                     streams = [b for b in graphs.batch_buckets if b <= max_streams] or [graphs.batch_buckets[0]]
                     new += graphs.warmup(streams, lengths)

@@ -16,6 +16,8 @@ from .hift_graphs import HiFTGraphs
 from .offline import OfflineLimits
 from .runner import Token2WavRunner
 from .schedule import ChunkSchedule
+from .slot_calls import SlotCalls
+from .state_pool import StatePool
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +35,16 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     cache_samples = ChunkSchedule(samples_per_frame=models.hift.upsample_scale).source_cache_len
     hift_graphs = (HiFTGraphs(models.hift, cache_samples=cache_samples, max_bucket_frames=t2w.hift_graph_max_frames)
                    if t2w.hift_graphs and on_cuda else None)
+    slot_calls = None
+    if t2w.flow_cache and t2w.flow_cache_slots is not None:
+        speaker_slots = t2w.flow_cache_speaker_bytes // StatePool.slot_nbytes(models.flow, t2w.flow_cache_slot_tokens)
+        pool = StatePool(models.flow, slots=t2w.flow_cache_slots, slot_tokens=t2w.flow_cache_slot_tokens,
+                         speaker_slots=speaker_slots)
+        slot_calls = SlotCalls(models.flow, pool, cuda_graphs=on_cuda and t2w.flow_cache_graphs)
     runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
                              max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final,
-                             flow_graphs=flow_graphs, hift_graphs=hift_graphs)
+                             flow_graphs=flow_graphs, hift_graphs=hift_graphs, slot_calls=slot_calls)
     offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
                if t2w.offline else None)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,

@@ -1,0 +1,88 @@
+"""The exact flow cache through the state pool (token2wav/state_pool.py, slot_calls.py,
+models/flow/prefix.py SlotCursor): every streamed chunk equals the full recompute, alone and batched
+across streams at different positions, padded to the graph buckets (off CUDA the same padded
+function runs without a graph); a full pool or an outgrown slot recomputes exactly; a dropped
+stream gives its slot back. On CUDA the captured graphs are checked against the eager call."""
+import gc
+
+import pytest
+import torch
+
+from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+from async_cosyvoice.token2wav.slot_calls import SlotCalls
+from async_cosyvoice.token2wav.state_pool import StatePool
+from test_flow_cache import ATOL, drive, flow, new_stream, prompts, target_tokens  # noqa: F401  (fixtures)
+
+
+def pooled(flow, hift, slots=3, slot_tokens=300, speaker_slots=1, **kw) -> Token2WavRunner:  # noqa: F811
+    pool = StatePool(flow, slots=slots, slot_tokens=slot_tokens, speaker_slots=speaker_slots)
+    return Token2WavRunner(flow, hift, slot_calls=SlotCalls(flow, pool, cuda_graphs=False), **kw)
+
+
+def test_pool_chunks_equal_the_recompute_batched_at_different_positions(flow, hift, prompts):  # noqa: F811
+    cached = pooled(flow, hift, length_bucket_ratio=100)  # one call per round: all streams together
+    recompute = Token2WavRunner(flow, hift, flow_cache=False)
+    streams = [new_stream(prompts, "p24", 15, key="spk"), new_stream(prompts, "p16", 25),
+               new_stream(prompts, "p24", 10, key="spk")]
+    tokens = [target_tokens(n, seed) for n, seed in ((90, 1), (70, 2), (60, 3))]
+    assert drive(cached, recompute, streams, tokens, first_round=[0, 0, 2]) >= 8
+    pool = cached.state_pool
+    assert pool.free_slots == 3  # every final chunk gave its slot back
+    assert pool.stats.leases == 3 and pool.stats.speaker_hits == 1 and pool.stats.speaker_misses == 1
+    assert cached.stats.flow_cached_frames > 0 and cached.stats.flow_items > cached.stats.flow_calls
+    assert cached.slot_calls.replays > 0  # padded to the buckets, as the graphs run
+
+
+def test_a_full_pool_and_an_outgrown_slot_recompute_exactly(flow, hift, prompts):  # noqa: F811
+    cached = pooled(flow, hift, slots=1, slot_tokens=110, speaker_slots=0)
+    recompute = Token2WavRunner(flow, hift, flow_cache=False)
+    streams = [new_stream(prompts, "p24", 15), new_stream(prompts, "p16", 15)]  # 75 and 74 prompt tokens
+    drive(cached, recompute, streams, [target_tokens(80, 4), target_tokens(80, 5)])
+    st = cached.state_pool.stats
+    assert st.full >= 1       # the second stream found no slot: it recomputed
+    assert st.outgrown >= 1   # a stream ran past 110 tokens: it recomputed from then on
+    assert cached.state_pool.free_slots == 1
+
+
+def test_a_dropped_stream_gives_its_slot_back(flow, hift, prompts):  # noqa: F811
+    cached = pooled(flow, hift, slots=2)
+    s = new_stream(prompts, "p24", 15)
+    s.append(target_tokens(40, 6))
+    cached.flow_mels([s.next_job(llm_done=False)])
+    assert cached.state_pool.free_slots == 1 and s.flow_lease is not None
+    del s  # cancelled: the stream is dropped mid-utterance
+    gc.collect()
+    assert cached.state_pool.free_slots == 2
+
+
+def test_a_speaker_slot_is_replaced_and_dropped(flow, hift, prompts):  # noqa: F811
+    cached = pooled(flow, hift, slots=2, speaker_slots=1)
+    for name in ("p24", "p16"):  # two speakers, one speaker slot: the second evicts the first
+        s = new_stream(prompts, name, 15, key=name)
+        assert cached.prepare_speaker(s)
+    assert "p16" in cached.speaker_prefixes and "p24" not in cached.speaker_prefixes
+    cached.speaker_prefixes.drop("p16")
+    assert len(cached.speaker_prefixes) == 0
+
+
+def test_a_prompt_longer_than_a_slot_is_refused_cleanly(flow, hift, prompts):  # noqa: F811
+    cached = pooled(flow, hift, slots=1, slot_tokens=60, speaker_slots=0)
+    recompute = Token2WavRunner(flow, hift, flow_cache=False)
+    drive(cached, recompute, [new_stream(prompts, "p24", 15)], [target_tokens(40, 7)])  # 75-token prompt
+    assert cached.state_pool.stats.leases == 0 and cached.state_pool.free_slots == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts):  # noqa: F811
+    from async_cosyvoice.model_dir import build_models
+    models = build_models(model_dir, device="cuda", dtype=torch.float32, with_llm=False)
+    pool = StatePool(models.flow, slots=3, slot_tokens=300, speaker_slots=1)
+    cached = Token2WavRunner(models.flow, models.hift, slot_calls=SlotCalls(models.flow, pool, cuda_graphs=True),
+                             length_bucket_ratio=100)
+    recompute = Token2WavRunner(models.flow, models.hift, flow_cache=False)
+    torch.backends.cudnn.allow_tf32 = False  # fp32 convolutions, so both paths round alike
+    streams = [Token2WavStream(*prompts[name], schedule=ChunkSchedule(first_hop=hop), prompt_key=key, device="cuda")
+               for name, hop, key in (("p24", 15, "spk"), ("p16", 25, None), ("p24", 10, "spk"))]
+    tokens = [target_tokens(n, seed) for n, seed in ((90, 1), (70, 2), (60, 3))]
+    assert drive(cached, recompute, streams, tokens, first_round=[0, 0, 2]) >= 8
+    assert cached.slot_calls.graphs and cached.slot_calls.replays > 0
