@@ -144,3 +144,14 @@ def test_flow_pt_loads_strictly(d):
     del sd["decoder.estimator.rotary_embed.inv_freq"]
     with pytest.raises(ModelDirError, match="flow.pt.*rotary_embed.inv_freq"):
         load_strict(DiTFlow(flow_dims(d)), sd, "flow.pt")
+
+
+def test_half_precision_flow_runs_close_to_fp32(d, golden):
+    """The flow in float16 (the GPU serving dtype): the rotary runs in float32 and casts back as
+    x_transformers does, so q, k and v share a dtype; the mel stays near the fp32 golden."""
+    model = DiTFlow(flow_dims(d))
+    load_strict(model, torch.load(d / "flow.pt", map_location="cpu", weights_only=True), "flow.pt")
+    model = model.eval().to(torch.float16)
+    mel = model.inference(_t(golden["token"]), _t(golden["prompt_token"]), _t(golden["prompt_feat"]),
+                          _t(golden["embedding"]), streaming=True, finalize=False)
+    assert mel.dtype == torch.float32 and _max_err(mel, golden["chunk/mel"]) < 2e-2

@@ -11,6 +11,8 @@ from async_cosyvoice.models.cosyvoice3.flow import DiTFlow
 from async_cosyvoice.models.cosyvoice3.hift import CausalHiFT
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from async_cosyvoice.token2wav.flow_cache import speaker_prefix_tokens, state_nbytes
+from async_cosyvoice.token2wav.slot_calls import SlotCalls
+from async_cosyvoice.token2wav.state_pool import StatePool
 
 from cv3_fixture import cv3_dir, flow_dims, hift_dims
 from test_flow_cache import drive, target_tokens
@@ -83,3 +85,16 @@ def test_state_size_from_dims_matches_the_state(flow, vocoder, prompts):
     state = runner._speaker_prefix(new_stream(prompts, "p24", 15, key="x"))
     assert state.tokens == 50
     assert state.nbytes() == state_nbytes(flow.dims, state.tokens, torch.float32)
+
+
+def test_state_pool_chunks_equal_the_recompute(flow, vocoder, prompts):
+    """The cache's state in a pool of slots (token2wav/state_pool.py, slot_calls.py; no CUDA graphs on
+    CPU): every chunk of streams batched together, one from a speaker's prefix slot, equals the recompute."""
+    pool = StatePool(flow, slots=3, slot_tokens=200, speaker_slots=1)
+    cached = Token2WavRunner(flow, vocoder, length_bucket_ratio=100,
+                             slot_calls=SlotCalls(flow, pool, cuda_graphs=False))
+    recompute = Token2WavRunner(flow, vocoder, flow_cache=False)
+    streams = [new_stream(prompts, "p24", 15), new_stream(prompts, "p16", 25, key="p16")]
+    tokens = [target_tokens(n, seed) for n, seed in ((70, 11), (60, 12))]
+    assert drive(cached, recompute, streams, tokens) >= 5
+    assert cached.stats.flow_cached_frames > 0

@@ -9,7 +9,9 @@ from async_cosyvoice.model_dir import load_strict, normalize_hift_state_dict
 from async_cosyvoice.models.cosyvoice3.flow import DiTFlow
 from async_cosyvoice.models.cosyvoice3.hift import F0_PREDICTOR_PREFIX, CausalHiFT
 from async_cosyvoice.models.cosyvoice3.nsf_noise import FixedNSFNoise
+from async_cosyvoice.estimator import make_estimator
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
+from async_cosyvoice.token2wav.flow_graphs import FlowGraphs
 
 from cv3_fixture import cv3_dir, flow_dims, hift_dims
 
@@ -99,3 +101,21 @@ def test_streams_of_both_lengths_batch_together(d, flow, vocoders):
     for a, t in zip(alone, together):
         assert [c.numel() for c in a] == [c.numel() for c in t]
         torch.testing.assert_close(torch.cat(t), torch.cat(a), atol=ATOL, rtol=0)
+
+
+def test_estimator_backend_and_flow_graphs_path(d, flow, vocoders, tmp_path):
+    """The stage's other flow paths take the DiT as they take CosyVoice2's U-Net: the 'torch',
+    'compiled' (no torch.compile, no graphs on CPU) and 'onnxruntime' (the DiT exported to ONNX,
+    chunked and full attention) estimator backends, and FlowGraphs' bucketed whole-flow calls
+    (padded to the bucket, no graph on CPU; for the backends with a capturable form), reproduce a
+    streamed golden."""
+    z = np.load(d / "golden" / "e2e_vc_stream_hop25.npz")
+    prompt = [torch.from_numpy(z[k]) for k in ("prompt_token", "prompt_feat", "embedding")]
+    for kind in ("torch", "compiled", "onnxruntime"):
+        est = make_estimator(kind, flow, compile=False, cuda_graphs=False, cache_dir=tmp_path, threads=1,
+                             flow_pt=d / "flow.pt")
+        graphs = (FlowGraphs(flow, est.capturable, est, cuda_graphs=False, min_token_step=16)
+                  if hasattr(est, "capturable") else None)
+        runner = Token2WavRunner(flow, vocoders["real"], estimator=est, flow_cache=False, flow_graphs=graphs)
+        stream = Token2WavStream(*prompt, schedule=ChunkSchedule(first_hop=25), causal_vocoder=True)
+        _check(z, runner.render(stream, z["token"][0].tolist()), "audio")

@@ -85,7 +85,9 @@ def export_key(estimator: nn.Module, streaming: bool, flow_pt: str | Path | None
 def dummy_inputs(estimator: nn.Module, batch: int = _DUMMY_BATCH, frames: int = _DUMMY_FRAMES,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> tuple[Tensor, ...]:
     dims = estimator.dims
-    C, S = dims.out_channels, dims.in_channels // 4  # spks has the mel channel count (in = [x, mu, spks, cond])
+    C = dims.out_channels
+    # spks: the DiT's spk_dim; the U-Net's is the mel channel count (its in = [x, mu, spks, cond])
+    S = dims.spk_dim if hasattr(dims, "spk_dim") else dims.in_channels // 4
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
     return (r(batch, C, frames), torch.ones(batch, 1, frames, dtype=dtype, device=device), r(batch, C, frames),

@@ -319,13 +319,17 @@ class HiFTStages(nn.Module):
             x = xs / self.num_kernels
         return x
 
-    def to_speech(self, x: Tensor) -> Tensor:
-        """Last stage -> conv_post -> magnitude exp(·) <= 100 and phase sin(·) -> iSTFT (B, hop·(N − 1))."""
+    def spectrum(self, x: Tensor) -> Tensor:
+        """Last stage -> conv_post -> magnitude exp(·) <= 100 and phase sin(·): (B, n_fft/2 + 1, N) complex."""
         x = self.conv_post(F.leaky_relu(x))
         bins = self.n_fft // 2 + 1
         mag = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
         phase = torch.sin(x[:, bins:, :])
-        return istft(torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)), self.hop, self.stft_window)
+        return torch.complex(mag * torch.cos(phase), mag * torch.sin(phase))
+
+    def to_speech(self, x: Tensor) -> Tensor:
+        """Last stage -> `spectrum` -> iSTFT (B, hop·(N − 1))."""
+        return istft(self.spectrum(x), self.hop, self.stft_window)
 
 
 class HiFT(HiFTStages):

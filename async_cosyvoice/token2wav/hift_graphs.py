@@ -92,7 +92,8 @@ def render_group(hift: HiFT | CausalHiFT, graphs: HiFTGraphs | None, mels: Seque
     reflection needs 2) run alone. Returns (speech (1, 480T_b), source (1, 1, 480T_b)) per item.
 
     CosyVoice3's CausalHiFT (its NSF noise is its own, it takes no cache_source) renders each item
-    final or not (`finalize`, required for it; `CausalHiFT.render`); its source comes back empty."""
+    final or not (`finalize`, required for it; `CausalHiFT.render`: the whole group in one padded,
+    exact call); its source comes back empty."""
     if isinstance(hift, CausalHiFT):
         if finalize is None:
             raise ValueError("a CausalHiFT group needs each item's finalize flag")

@@ -298,7 +298,7 @@ class Token2WavRunner:
         """(lease, start, end, keep) of a streaming job through the state pool, or None: it
         recomputes (no slot free, or the stream has outgrown its slot)."""
         s, pool, dims = job.stream, self.state_pool, self.flow.dims
-        chunk = dims.encoder.static_chunk_size
+        chunk = dims.chunk_tokens
         P = s.prompt_token.shape[1]
         end = P + job.n_tokens - dims.pre_lookahead_len
         if job.finalize or end > pool.slot_tokens:  # a final call: full attention, recomputed
@@ -330,7 +330,7 @@ class Token2WavRunner:
     def _speaker_slot(self, s: Token2WavStream) -> tuple[int, int] | None:
         """(slot, tokens) of the stream's speaker prefix in the pool (computed on a miss), or None."""
         pool, dims = self.state_pool, self.flow.dims
-        n = speaker_prefix_tokens(s.prompt_token.shape[1], dims.encoder.static_chunk_size, dims.pre_lookahead_len)
+        n = speaker_prefix_tokens(s.prompt_token.shape[1], dims.chunk_tokens, dims.pre_lookahead_len)
         if s.prompt_key is None or n == 0 or pool.n_speaker_slots == 0 or n > pool.slot_tokens:
             return None
         tokens = s.prompt_token.reshape(-1)[:n + dims.pre_lookahead_len].cpu()

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..graph_buckets import DEFAULT_STREAM_BUCKETS, Bucket, GraphBuckets
-from ..models.flow.flow import Flow
+from ..models.flow.base import MaskedDiffFlow
 from ..models.flow.prefix import SlotGeometry
 from .state_pool import StatePool
 
@@ -29,7 +29,7 @@ __all__ = ["SlotCalls"]
 class SlotCalls(GraphBuckets):
     what, unit = "cached flow", "new tokens"
 
-    def __init__(self, flow: Flow, pool: StatePool, *, cuda_graphs: bool | None = None,
+    def __init__(self, flow: MaskedDiffFlow, pool: StatePool, *, cuda_graphs: bool | None = None,
                  stream_buckets: Sequence[int] = DEFAULT_STREAM_BUCKETS, min_token_step: int = 32,
                  max_bucket_tokens: int = 16384, max_graphs: int = 64):
         super().__init__(pool.device, cuda_graphs=cuda_graphs, batch_buckets=stream_buckets, min_step=min_token_step,

@@ -10,6 +10,7 @@ import torch
 from ..config import Config
 from ..estimator import estimator_from_config
 from ..model_dir import ModelDir, Models, build_models
+from ..models.cosyvoice3.hift import CausalHiFT
 from .batcher import Token2WavBatcher
 from .flow_graphs import FlowGraphs
 from .hift_graphs import HiFTGraphs
@@ -33,8 +34,9 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     flow_graphs = (FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens)
                    if t2w.flow_graphs and on_cuda else None)
     cache_samples = ChunkSchedule(samples_per_frame=models.hift.upsample_scale).source_cache_len
+    # CosyVoice3's causal HiFT has no graphs yet: its groups run as one padded eager call (CausalHiFT.render)
     hift_graphs = (HiFTGraphs(models.hift, cache_samples=cache_samples, max_bucket_frames=t2w.hift_graph_max_frames)
-                   if t2w.hift_graphs and on_cuda else None)
+                   if t2w.hift_graphs and on_cuda and not isinstance(models.hift, CausalHiFT) else None)
     slot_calls = None
     if t2w.flow_cache and t2w.flow_cache_slots is not None:
         speaker_slots = t2w.flow_cache_speaker_bytes // StatePool.slot_nbytes(models.flow, t2w.flow_cache_slot_tokens)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..models.flow.flow import Flow
+from ..models.flow.base import MaskedDiffFlow
 from ..models.flow.prefix import EntryShape
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class SlotLease:
 
 
 class StatePool:
-    def __init__(self, flow: Flow, *, slots: int, slot_tokens: int, speaker_slots: int = 0):
+    def __init__(self, flow: MaskedDiffFlow, *, slots: int, slot_tokens: int, speaker_slots: int = 0):
         if slots < 1 or slot_tokens < 1 or speaker_slots < 0:
             raise ValueError(f"a state pool needs slots >= 1, slot_tokens >= 1, speaker_slots >= 0; got "
                              f"{slots}, {slot_tokens}, {speaker_slots}")
@@ -64,7 +64,7 @@ class StatePool:
         self.flow = flow
         self.slot_tokens = slot_tokens
         self.positions = slot_tokens + 1  # one spare position: padding frames' writes land past every sequence
-        chunk = dims.encoder.static_chunk_size
+        chunk = dims.chunk_tokens
         layout, self.n_encoder_entries = flow.state_layout(chunk)
         steps = flow.decoder.params.n_timesteps
         self.layout: list[EntryShape] = layout[:self.n_encoder_entries] + layout[self.n_encoder_entries:] * steps
@@ -107,9 +107,9 @@ class StatePool:
                 + self.embedding.numel() * 4 + self.prompt_len.numel() * 8 + self.mel.numel() * 4)
 
     @staticmethod
-    def slot_nbytes(flow: Flow, slot_tokens: int) -> int:
+    def slot_nbytes(flow: MaskedDiffFlow, slot_tokens: int) -> int:
         """Bytes of one slot of `slot_tokens` tokens, from the model (for sizing a pool by bytes)."""
-        layout, n_enc = flow.state_layout(flow.dims.encoder.static_chunk_size)
+        layout, n_enc = flow.state_layout(flow.dims.chunk_tokens)
         steps = flow.decoder.params.n_timesteps
         size = flow.input_embedding.weight.element_size()
         numel = 0

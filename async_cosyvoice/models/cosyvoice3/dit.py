@@ -77,17 +77,17 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> Tensor:
         """positions (..., T) -> angles (..., T, dim_head) float32: [a0, a0, a1, a1, …]."""
         angles = positions.float().unsqueeze(-1) * self.inv_freq
-        return angles.repeat_interleave(2, dim=-1)
+        return torch.stack([angles, angles], dim=-1).flatten(-2)
 
 
 def rotate_first_head(x: Tensor, angles: Tensor) -> Tensor:
     """x (B, T, heads·dim_head): rotate channel pairs (2i, 2i+1) of the first dim_head channels by
-    angles (B or 1, T, dim_head); the other heads pass through."""
+    angles (B or 1, T, dim_head), in float32 (as x_transformers); the other heads pass through."""
     d = angles.shape[-1]
-    head, rest = x[..., :d], x[..., d:]
-    pairs = head.unflatten(-1, (-1, 2))
-    rotated_half = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-    return torch.cat([head * angles.cos() + rotated_half * angles.sin(), rest], dim=-1)
+    head, rest = x[..., :d].float(), x[..., d:]
+    even, odd = head[..., 0::2], head[..., 1::2]
+    rotated_half = torch.stack([-odd, even], dim=-1).flatten(-2)
+    return torch.cat([(head * angles.cos() + rotated_half * angles.sin()).to(x.dtype), rest], dim=-1)
 
 
 class Attention(nn.Module):

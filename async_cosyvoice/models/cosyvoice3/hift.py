@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..dims import HiFTDims
-from ..hift import HiFTStages, ResBlock, SourceModuleHnNSF
+from ..hift import HiFTStages, ResBlock, SourceModuleHnNSF, istft
 from .nsf_noise import FixedNSFNoise
 
 F0_PREDICTOR_PREFIX = "f0_predictor."  # hift.pt keys whose weight norm is folded in float64
@@ -181,20 +181,43 @@ class CausalHiFT(HiFTStages):
 
     @torch.no_grad()
     def render(self, mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
-        """Many streams' calls: mels[b] (1, 80, T_b) -> speech (1, emitted_samples(T_b, finalize[b])).
-        Items of equal length and flag share one batched `inference` call; items too short to emit
-        anything get (1, 0)."""
+        """Many streams' calls in one right-padded call: mels[b] (1, 80, T_b), final or not ->
+        speech (1, emitted_samples(T_b, finalize[b])), each its own `inference` call's up to float
+        summation order; items too short to emit anything get (1, 0).
+
+        Exact because every op is causal but the look-ahead convs, and those read zeros past a final
+        item (its padding is zeros, as its own call's look-ahead) and only the item's own frames for
+        what a non-final item emits. Two ends are fixed up for final items: the source STFT sees the
+        item's own reflection after its end (center=True), and its last iSTFT samples, whose overlap
+        would take in padded frames, are recomputed from its last frames alone. A non-final item
+        emits nothing within reach of either."""
         if len(mels) != len(finalize):
             raise ValueError(f"got {len(mels)} mels and {len(finalize)} finalize flags")
         out: list[Tensor | None] = [None] * len(mels)
-        groups: dict[tuple[int, bool], list[int]] = {}
-        for b, (mel, fin) in enumerate(zip(mels, finalize)):
-            if self.emitted_samples(mel.shape[2], fin) == 0:
-                out[b] = mel.new_zeros(1, 0)
-            else:
-                groups.setdefault((mel.shape[2], fin), []).append(b)
-        for (_, fin), idx in groups.items():
-            speech, _ = self.inference(torch.cat([mels[b] for b in idx]), fin)
-            for row, b in enumerate(idx):
-                out[b] = speech[row:row + 1]
+        live = [b for b, (m, fin) in enumerate(zip(mels, finalize)) if self.emitted_samples(m.shape[2], fin) > 0]
+        for b in set(range(len(mels))) - set(live):
+            out[b] = mels[b].new_zeros(1, 0)
+        if not live:
+            return out
+        lengths = [mels[b].shape[2] for b in live]
+        mel = mels[live[0]].new_zeros(len(live), mels[live[0]].shape[1], max(lengths))
+        for row, b in enumerate(live):
+            mel[row, :, :lengths[row]] = mels[b][0]
+        source = self.source(self.f0_predictor(mel, finalize=True).to(mel.dtype))
+        ends = [self.upsample_scale * n for n in lengths]
+        reflect = self.n_fft // 2
+        for row, end in enumerate(ends):  # center=True's reflection of the item's own call
+            if end < source.shape[2]:
+                source[row, 0, end:end + reflect] = source[row, 0, end - reflect - 1:end - 1].flip(0)
+        x = self.conv_pre(F.pad(mel, (0, self.dims.conv_pre_look_right)))
+        spec = self.spectrum(self.upsample_stages(x, self.source_stft(source)))
+        speech = istft(spec, self.hop, self.stft_window)
+        tail_frames, tail = self.n_fft // self.hop + 4, self.n_fft
+        for row, (b, end) in enumerate(zip(live, ends)):
+            if finalize[b] and end < speech.shape[1]:
+                last = end // self.hop  # the item's last STFT frame
+                alone = istft(spec[row:row + 1, :, last + 1 - tail_frames:last + 1], self.hop, self.stft_window)
+                speech[row, end - tail:end] = alone[0, -tail:]
+            n = self.emitted_samples(lengths[row], finalize[b])
+            out[b] = torch.clamp(speech[row:row + 1, :n], -self.dims.audio_limit, self.dims.audio_limit)
         return out
