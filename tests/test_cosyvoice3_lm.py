@@ -5,6 +5,7 @@ generation is token-identical to upstream, and the native engine serves the Cosy
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 
@@ -67,15 +68,15 @@ def test_kind_and_dims_come_from_the_directory(md, tiny3_dir):
     assert md.dims.flow.estimator.static_chunk_size == 50  # !ref <chunk_size> * <token_mel_ratio>
 
 
-def test_llm_loads_strictly_with_cosyvoice3_tables(md, lm3):
+def test_llm_loads_strictly_with_cosyvoice3_tables(md, lm3, tiny_dir):
     assert isinstance(lm3, CosyVoice3LM)
     assert not hasattr(lm3, "llm_embedding") and lm3.llm_decoder.bias is None
     assert lm3.speech_embedding.num_embeddings == lm3.llm_decoder.out_features == 6561 + 200
     sd = md.llm_state_dict()
     with pytest.raises(ModelDirError, match=r"^llm.pt: missing keys \[llm_embedding.weight"):
-        load_strict(CosyVoice2LM(md.dims.lm.__class__(**{**md.dims.lm.__dict__, "kind": "cosyvoice2"})), sd, "llm.pt")
+        load_strict(CosyVoice2LM(dataclasses.replace(md.dims.lm, kind="cosyvoice2")), sd, "llm.pt")
     with pytest.raises(ValueError, match="CosyVoice3LM needs LMDims"):
-        CosyVoice3LM(load_model_dir(md.path.parent / "cosyvoice2-tiny").dims.lm)
+        CosyVoice3LM(load_model_dir(tiny_dir).dims.lm)
 
 
 def test_a_missing_v3_tokenizer_is_named(md, tmp_path):
