@@ -6,7 +6,10 @@
     send(encoder.finish())                                 # the rest, then the stream is done
 
 Concatenating everything `encode` and `finish` return gives a file of `format` that plays
-(for `pcm`/`f32`, raw little-endian samples). Resampling is one soxr stream per encoder, so chunk
+(for `pcm`/`f32`, raw little-endian samples). FLAC is the one format that comes out whole at
+`finish()`: its STREAMINFO header carries the length and the MD5 of the audio, and libsndfile
+(python-soundfile) cannot read a FLAC whose header says "length unknown", which is all a stream
+could send before its end. Resampling is one soxr stream per encoder, so chunk
 boundaries are seamless and the output length is round(n * out_rate / source_rate).
 
 The work is CPU-bound (resampling, codecs) and synchronous: transports call `encode`/`finish`
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import binascii
 import dataclasses
+import io
 import struct
 
 import av
@@ -43,6 +47,7 @@ class AudioFormat:
     sample_rates: tuple[int, ...] | None = None   # None: any rate in MIN..MAX_SAMPLE_RATE
     bitrate: int | None = None        # default bits/s for lossy codecs
     muxer_options: tuple[tuple[str, str], ...] = ()
+    whole_file: bool = False          # the header needs the length: all bytes come out at finish()
 
 
 _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
@@ -60,7 +65,9 @@ FORMATS: dict[str, AudioFormat] = {f.name: f for f in (
                 (("cluster_time_limit", "0"), ("write_crc32", "0"), ("live", "1"))),
     AudioFormat("mp3", "audio/mpeg", "libmp3lame", "mp3", _MP3_RATES, 64000),
     AudioFormat("aac", "audio/aac", "aac", "adts", _AAC_RATES, 64000),
-    AudioFormat("flac", "audio/flac", "flac", "flac"),
+    # No 8 KiB PADDING block (room for tags edited in place; a response never is).
+    AudioFormat("flac", "audio/flac", "flac", "flac", muxer_options=(("metadata_header_padding", "0"),),
+                whole_file=True),
 )}
 
 
@@ -193,11 +200,17 @@ class _Bytes:
 
 
 class _MuxedSink:
-    """PyAV encoder + FFmpeg muxer writing into memory; each write returns what was muxed."""
+    """PyAV encoder + FFmpeg muxer writing into memory; each write returns what was muxed.
+
+    A `whole_file` format is muxed into a seekable buffer instead, so the muxer's trailer seeks
+    back and rewrites the header with the final counts (FLAC: total samples, frame sizes, MD5),
+    and everything is returned by close().
+    """
 
     def __init__(self, fmt: AudioFormat, rate: int, bitrate: int | None):
         self.rate = rate
-        self.out = _Bytes()
+        self.whole_file = fmt.whole_file
+        self.out = io.BytesIO() if fmt.whole_file else _Bytes()
         options = {"flush_packets": "1", **dict(fmt.muxer_options)}
         self.container = av.open(self.out, "w", format=fmt.container, options=options)
         self.stream = self.container.add_stream(fmt.codec, rate=rate, layout="mono")
@@ -210,12 +223,12 @@ class _MuxedSink:
         if len(x):
             self.container.mux(self.stream.encode(_frame(x, self.rate, self.pts)))
             self.pts += len(x)
-        return self.out.take()
+        return b"" if self.whole_file else self.out.take()
 
     def close(self) -> bytes:
         self.container.mux(self.stream.encode(None))
         self.container.close()
-        return self.out.take()
+        return self.out.getvalue() if self.whole_file else self.out.take()
 
 
 class _OggOpusSink:

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .files import data_root
 
 ENV_PREFIX = "ASYNC_COSYVOICE__"
 
@@ -117,10 +119,21 @@ class Token2WavConfig(_Section):
 
 class SpeakerConfig(_Section):
     backend: Literal["directory", "redis"] = "directory"  # redis: shared by every replica
-    dir: Path = Path("spk2info")
+    # default: the data folder's speakers/ (files.data_root: $ASYNC_COSYVOICE_DATA, $XDG_DATA_HOME/async_cosyvoice
+    # or ~/.local/share/async_cosyvoice), never the current directory; a relative path given here is taken as is
+    dir: Path = Field(default_factory=lambda: data_root() / "speakers")
     cache_size: int = Field(256, ge=1)
     redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0 (backend redis)
     redis_prefix: str = Field("async_cosyvoice:speakers", min_length=1)
+    redis_timeout_seconds: float = Field(5.0, gt=0)  # connect and reply; past it a call is UNAVAILABLE
+    # Redis' persistence at start (CONFIG GET): warn = log how acknowledged registrations could be
+    # lost; require = refuse to start unless appendonly yes + appendfsync always
+    redis_durability: Literal["warn", "require"] = "warn"
+
+    @field_validator("dir")
+    @classmethod
+    def _expand_home(cls, path: Path) -> Path:
+        return path.expanduser()
 
     @model_validator(mode="after")
     def _redis_needs_url(self) -> "SpeakerConfig":
@@ -159,6 +172,10 @@ class ServerConfig(_Section):
     # OpenAI's tts-1 etc. are accepted too
     served_model_name: str | None = None
     voice_aliases: dict[str, str] = {}  # e.g. {"alloy": "my_speaker"}: OpenAI voice names -> speaker ids
+    # the HTTP door's own certificate; unset: tls_cert / tls_key (with TLS configured both doors use it)
+    http_tls_cert: Path | None = None
+    http_tls_key: Path | None = None
+    http_docs: bool = True  # /docs and /openapi.json (behind auth_token when one is set); false: 404
 
 
 class WarmupConfig(_Section):
@@ -179,7 +196,7 @@ class Config(_Section):
     engine: EngineConfig = EngineConfig()
     sampling: SamplingConfig = SamplingConfig()
     token2wav: Token2WavConfig = Token2WavConfig()
-    speakers: SpeakerConfig = SpeakerConfig()
+    speakers: SpeakerConfig = Field(default_factory=SpeakerConfig)  # per Config: its dir reads the environment then
     limits: LimitsConfig = LimitsConfig()
     server: ServerConfig = ServerConfig()
     warmup: WarmupConfig = WarmupConfig()

@@ -1,4 +1,11 @@
-"""Errors callers can act on. The gRPC layer maps each to one status code."""
+"""Errors callers can act on, and the one table that gives each its status on every front door.
+
+`status_of(error)` is what gRPC (a `grpc.StatusCode` name), HTTP (a status code and OpenAI's error
+`type`) and the WebSocket (`4000 + http` and `code`) answer for it; the doors only translate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class CosyVoiceError(Exception):
@@ -47,10 +54,51 @@ class ModelDirError(Exception):
 
 
 class SpeakerCorrupt(CosyVoiceError):
-    """A stored speaker record exists but cannot be read (truncated, garbled). Its data is gone:
-    the speaker must be registered again. -> DATA_LOSS"""
+    """A stored speaker record exists but cannot be used (truncated, a checksum mismatch, tokens
+    outside the model's vocabulary). Its data is gone: the speaker must be registered again. -> DATA_LOSS"""
+
+
+class StoreUnavailable(NotReady):
+    """The speaker store (Redis) does not answer. Requests that need no stored speaker still run.
+    -> UNAVAILABLE"""
 
 
 class EngineDead(NotReady):
     """The speech-token engine died (its process was killed, its step loop failed). The instance
     cannot serve any more and is exiting. -> UNAVAILABLE"""
+
+
+class ConfigError(CosyVoiceError, ValueError):
+    """The configuration asks for what this machine cannot give (a device this torch build lacks,
+    a port another process holds). Raised before anything is loaded; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class ErrorStatus:
+    grpc: str   # grpc.StatusCode name
+    http: int   # HTTP status; the WebSocket closes with 4000 + it
+    type: str   # OpenAI's error "type"
+    code: str   # our stable code (HTTP error.code, WebSocket error code)
+
+
+# First match wins: subclasses before their bases.
+ERROR_STATUSES: tuple[tuple[type[Exception], ErrorStatus], ...] = (
+    (InvalidRequest, ErrorStatus("INVALID_ARGUMENT", 400, "invalid_request_error", "invalid_request")),
+    (Unsupported, ErrorStatus("FAILED_PRECONDITION", 400, "invalid_request_error", "unsupported")),
+    (SpeakerNotFound, ErrorStatus("NOT_FOUND", 404, "invalid_request_error", "voice_not_found")),
+    (SpeakerExists, ErrorStatus("ALREADY_EXISTS", 409, "invalid_request_error", "voice_exists")),
+    (SpeakerCorrupt, ErrorStatus("DATA_LOSS", 500, "server_error", "data_loss")),
+    (TextTimeout, ErrorStatus("DEADLINE_EXCEEDED", 408, "invalid_request_error", "text_timeout")),
+    (Overloaded, ErrorStatus("RESOURCE_EXHAUSTED", 429, "rate_limit_error", "overloaded")),
+    (StoreUnavailable, ErrorStatus("UNAVAILABLE", 503, "server_error", "store_unavailable")),
+    (NotReady, ErrorStatus("UNAVAILABLE", 503, "server_error", "unavailable")),
+)
+INTERNAL_STATUS = ErrorStatus("INTERNAL", 500, "server_error", "internal_error")
+
+
+def status_of(error: BaseException) -> ErrorStatus:
+    """The status of a library error on every door; INTERNAL_STATUS for anything else (a bug)."""
+    for cls, status in ERROR_STATUSES:
+        if isinstance(error, cls):
+            return status
+    return INTERNAL_STATUS

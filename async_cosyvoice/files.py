@@ -1,4 +1,4 @@
-"""Where caches live, and writes that a crash or a concurrent reader never sees half done.
+"""Where caches and user data live, and writes that a crash or a concurrent reader never sees half done.
 
 Every writer builds its output under a temporary name in the destination's folder and renames it into
 place (atomic on one filesystem), so a reader finds the old version, the new one or none.
@@ -21,6 +21,19 @@ def cache_root() -> Path:
     if env := os.environ.get(CACHE_ENV):
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "async_cosyvoice"
+
+
+DATA_ENV = "ASYNC_COSYVOICE_DATA"
+
+
+def data_root() -> Path:
+    """Where what users create is kept (the default speaker store is its `speakers/`):
+    `$ASYNC_COSYVOICE_DATA`, else `$XDG_DATA_HOME/async_cosyvoice`, else `~/.local/share/async_cosyvoice`.
+    Never the current directory: a command finds the same data wherever it is run."""
+    if env := os.environ.get(DATA_ENV):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(base).expanduser() / "async_cosyvoice"
 
 

@@ -1,6 +1,6 @@
 """SpeakerStore: registered voices, persisted as one safetensors file per speaker.
 
-On disk (folder `speakers.dir`, default `spk2info/`):
+On disk (folder `speakers.dir`, default the data folder's `speakers/`, see `files.data_root`):
 
     <sha256(speaker_id)>.safetensors   arrays + JSON metadata (speaker id, kind, prompt text, time)
     .lock                              fcntl lock taken by every writer (threads and processes)
@@ -10,6 +10,13 @@ into place with `os.replace`, so a crash mid-write leaves the previous record or
 torn one. The speaker id is validated and only ever used through its hash, never as a path.
 Nothing is pickled; upstream `spk2info.pt` files are read with `torch.load(weights_only=True)`
 by `frontend.spk2info` and converted to records here.
+
+Trust: a record (format version 2) carries a sha256 of its metadata and arrays, checked on every
+read, so a flipped byte anywhere is `SpeakerCorrupt` (DATA_LOSS), never a wrong voice. Records of
+format version 1 (written before checksums) are still read, unchecked, with one warning per
+speaker; registering the speaker again (overwrite) writes version 2. A store given the model's
+`VoiceFit` also checks on load that a record fits the model (speech tokens in the vocabulary, mel
+and embedding widths): a record that does not is `SpeakerCorrupt` for that id alone.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
@@ -47,7 +55,8 @@ _ID_CHARS = re.compile(r"[A-Za-z0-9_.\-]")
 _ID_RULE = f"1-{MAX_ID_LENGTH} characters from A-Z a-z 0-9 _ . -, not starting with '.'"
 
 FORMAT_NAME = "async_cosyvoice.speaker"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"          # 2: a "checksum" in the metadata
+_UNCHECKED_VERSION = "1"      # written before checksums; read without one
 SUFFIX = ".safetensors"
 _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".lock"
@@ -152,6 +161,11 @@ class SpeakerRecord:
 
     # ---- serialization (safetensors bytes; metadata is string -> string) ----
 
+    def _arrays(self) -> dict[str, np.ndarray]:
+        v = self.voice
+        return {"prompt_text_tokens": v.prompt_text_tokens, "speech_tokens": v.speech_tokens,
+                "speech_feat": v.speech_feat, "embedding": v.embedding}
+
     def to_bytes(self) -> bytes:
         metadata = {
             "format": FORMAT_NAME,
@@ -163,26 +177,79 @@ class SpeakerRecord:
             "created_at": repr(self.created_at),
             "model_kind": self.model_kind,
         }
-        v = self.voice
-        return st_save({"prompt_text_tokens": v.prompt_text_tokens, "speech_tokens": v.speech_tokens,
-                        "speech_feat": v.speech_feat, "embedding": v.embedding}, metadata=metadata)
+        arrays = self._arrays()
+        metadata["checksum"] = record_checksum(metadata, arrays)
+        return st_save(arrays, metadata=metadata)
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str = "<bytes>") -> "SpeakerRecord":
-        meta = _info_from_metadata(_read_header(data, source), source)
+        """The record, or ValueError saying why the bytes are not one (truncated, a checksum
+        mismatch, a bad header). Version-1 records (no checksum) are read unchecked."""
+        metadata = _read_header(data, source)
+        meta = _info_from_metadata(metadata, source)
         try:
             arrays = st_load(data)
         except SafetensorError as e:
             raise ValueError(f"{source}: not a valid speaker file ({e})") from e
+        if metadata.get("version") != _UNCHECKED_VERSION:
+            stored = metadata.get("checksum")
+            if stored != record_checksum(metadata, arrays):
+                raise ValueError(f"{source}: checksum mismatch: the record changed after it was written"
+                                 if stored else f"{source}: the record has no checksum")
         voice = Voice(arrays["speech_tokens"], arrays["speech_feat"], arrays["embedding"], meta.prompt_text,
                       arrays["prompt_text_tokens"], meta.kind)
         return cls(meta.speaker_id, voice, meta.created_at, meta.model_kind)
+
+
+def record_checksum(metadata: Mapping[str, str], arrays: Mapping[str, np.ndarray]) -> str:
+    """sha256 over the metadata (but the checksum) and every array's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "checksum"}, sort_keys=True).encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"\0{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+@dataclass(frozen=True)
+class VoiceFit:
+    """What a stored voice must fit to be used with a model: token ids below `speech_vocab`, mel
+    frames `mel_bins` wide, an embedding of `embedding_dim`."""
+    speech_vocab: int
+    mel_bins: int
+    embedding_dim: int
+
+    @classmethod
+    def of(cls, dims) -> "VoiceFit":
+        """From a model directory's `dims` (the flow's and the LM's speech vocabularies)."""
+        return cls(min(dims.flow.vocab_size, dims.lm.speech_token_size), dims.flow.output_size,
+                   dims.flow.spk_embed_dim)
+
+    def problem(self, voice: Voice) -> str | None:
+        """Why `voice` does not fit, or None."""
+        outside = np.flatnonzero((voice.speech_tokens < 0) | (voice.speech_tokens >= self.speech_vocab))
+        if outside.size:
+            return (f"{outside.size} speech token(s) outside the model's vocabulary 0..{self.speech_vocab - 1}, "
+                    f"the first {int(voice.speech_tokens[outside[0]])} at position {int(outside[0])}")
+        if voice.speech_feat.size and voice.speech_feat.shape[1] != self.mel_bins:
+            return f"speech_feat is {voice.speech_feat.shape[1]} mel bins wide, the model's {self.mel_bins}"
+        if voice.embedding.shape[0] != self.embedding_dim:
+            return f"the embedding has {voice.embedding.shape[0]} values, the model's {self.embedding_dim}"
+        return None
 
 
 @dataclass(frozen=True)
 class SpeakerPage:
     speakers: list[SpeakerInfo]
     next_page_token: str  # "" on the last page
+
+
+class RecordMisfit(ValueError):
+    """A valid record that does not fit the model it would be used with (`VoiceFit`)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _read_header(data: bytes, source: str) -> dict:
@@ -201,7 +268,7 @@ def _read_header(data: bytes, source: str) -> dict:
 def _info_from_metadata(meta: dict, source: str) -> SpeakerInfo:
     if meta.get("format") != FORMAT_NAME:
         raise ValueError(f"{source}: not an {FORMAT_NAME} file")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in (FORMAT_VERSION, _UNCHECKED_VERSION):
         raise ValueError(f"{source}: unsupported speaker file version {meta.get('version')!r}")
     try:
         return SpeakerInfo(meta["speaker_id"], meta["kind"], meta.get("prompt_text", ""),
@@ -256,6 +323,56 @@ class SpeakerStoreBase(abc.ABC):
     All methods are blocking; call them from a worker thread in async code.
     """
 
+    def __init__(self, fit: VoiceFit | None = None):
+        self.fit = fit  # given (a store opened for a model): records are checked against it on load
+        self._unchecked_warned: set[str] = set()
+        self._listeners: list[Callable[[bool], None]] = []
+        self.reachable = True  # whether the store answered its last call
+
+    def decode(self, data: bytes, source: str) -> SpeakerRecord:
+        """Stored bytes -> a record this store may serve, or ValueError (RecordMisfit when it is a
+        valid record that does not fit the model)."""
+        record = SpeakerRecord.from_bytes(data, source)
+        problem = self.fit.problem(record.voice) if self.fit is not None else None
+        if problem is not None:
+            raise RecordMisfit(f"{source}: {problem}", problem)
+        unchecked = _read_header(data, source).get("version") == _UNCHECKED_VERSION
+        if unchecked and record.speaker_id not in self._unchecked_warned:
+            self._unchecked_warned.add(record.speaker_id)
+            log.warning("speaker store %s: the record of %r has no checksum (format version 1): it is read "
+                            "unchecked; register it again (overwrite) to store it with one", self, record.speaker_id)
+        return record
+
+    def corrupt(self, speaker_id: str, error: Exception) -> SpeakerCorrupt:
+        """Log where and why (the location stays in the log), tell the caller what to do."""
+        log.error("speaker store %s: the record of %r is unusable: %s", self, speaker_id, error)
+        what = (f"does not fit this model ({error.reason})" if isinstance(error, RecordMisfit)
+                else "is unreadable (truncated or corrupt)")
+        return SpeakerCorrupt(f"speaker {speaker_id!r}: the stored record {what} and must be registered again "
+                              "(RegisterSpeaker with overwrite, or DeleteSpeaker first)")
+
+    # ---- reachability (a store behind a network: Redis) ----
+
+    def watch(self, listener: Callable[[bool], None]) -> None:
+        """`listener(reachable)` on every change of `reachable`, called in the thread that saw it."""
+        self._listeners.append(listener)
+
+    def _reached(self, reachable: bool) -> None:
+        if reachable != self.reachable:
+            self.reachable = reachable
+            for listener in self._listeners:
+                listener(reachable)
+
+    def ping(self) -> None:
+        """Returns when the store answers; StoreUnavailable when it does not."""
+
+    def persistence_problem(self) -> str | None:
+        """How an acknowledged `put` could be lost if the store's server crashed, or None."""
+        return None
+
+    def close(self) -> None:
+        """Release connections (a store behind a network)."""
+
     @abc.abstractmethod
     def get(self, speaker_id: str) -> SpeakerRecord:
         """The record, or SpeakerNotFound."""
@@ -274,6 +391,11 @@ class SpeakerStoreBase(abc.ABC):
     @abc.abstractmethod
     def infos(self) -> list[SpeakerInfo]:
         """Every speaker without its arrays, sorted by id."""
+
+    def check_put(self, speaker_id: str, overwrite: bool = False) -> None:
+        """Raise what `put` would for this id before the caller computes a record for it."""
+        if not overwrite and self.exists(speaker_id):
+            raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
 
     def unreadable_records(self) -> list[tuple[str, str]]:
         """(where, why) for every stored record that cannot be read, each logged; the server
@@ -352,9 +474,10 @@ class SpeakerStore(SpeakerStoreBase):
     All methods are blocking (file I/O); call them from a worker thread in async code.
     """
 
-    def __init__(self, directory: str | os.PathLike, cache_size: int = 256):
+    def __init__(self, directory: str | os.PathLike, cache_size: int = 256, fit: VoiceFit | None = None):
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
+        super().__init__(fit)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cache_size = cache_size
@@ -461,9 +584,9 @@ class SpeakerStore(SpeakerStoreBase):
             except FileNotFoundError:
                 continue
             try:
-                record = SpeakerRecord.from_bytes(data, str(path))
+                record = self.decode(data, str(path))
             except (ValueError, KeyError) as e:
-                raise self._unreadable(speaker_id, e) from e
+                raise self.corrupt(speaker_id, e) from e
             if record.speaker_id != speaker_id:  # sha256 collision or a file moved by hand
                 log.error("speaker store %s: %s holds %r, not %r", self.dir, path.name,
                           record.speaker_id, speaker_id)
@@ -476,13 +599,6 @@ class SpeakerStore(SpeakerStoreBase):
             return record
         raise SpeakerNotFound(f"speaker {speaker_id!r} not found")
 
-    def _unreadable(self, speaker_id: str, error: Exception) -> SpeakerCorrupt:
-        """Log where and why (the path stays in the log), tell the caller what to do."""
-        log.error("speaker store %s: the record of %r is unreadable: %s", self.dir, speaker_id, error)
-        return SpeakerCorrupt(f"speaker {speaker_id!r}: the stored record is unreadable (truncated or "
-                              "corrupt) and must be registered again (RegisterSpeaker with overwrite, "
-                              "or DeleteSpeaker first)")
-
     def unreadable_records(self) -> list[tuple[str, str]]:
         """Read every record in full: (file name, reason) for each one that cannot be used, each
         also logged. The server calls this at start-up so a corrupt store is noticed before a
@@ -493,7 +609,7 @@ class SpeakerStore(SpeakerStoreBase):
                 continue
             try:
                 with open(entry.path, "rb") as f:
-                    record = SpeakerRecord.from_bytes(f.read(), entry.path)
+                    record = self.decode(f.read(), entry.path)
                 if speaker_file_name(record.speaker_id) != entry.name:
                     raise ValueError(f"{entry.path}: file name does not match its speaker id "
                                      f"{record.speaker_id!r}")

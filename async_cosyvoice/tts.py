@@ -27,6 +27,7 @@ import torch
 
 from .config import Config
 from .demo import resolve_model_dir
+from .devices import check_device
 from .engine import create_engine
 from .engine.base import (
     BistreamRequest,
@@ -39,8 +40,9 @@ from .engine.base import (
 from .engine.silence import SilenceCap, cap_silences
 from .errors import (
     InvalidRequest,
-    SpeakerExists,
+    SpeakerCorrupt,
     SpeakerNotFound,
+    StoreUnavailable,
     TextTimeout,
     Unsupported,
 )
@@ -52,6 +54,7 @@ from .frontend.text import TextFrontend
 from .frontend.tokenizer import TextTokenizer
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
+from .model_speakers import with_model_speakers
 from .models.dims import RASParams
 from .offline import segments_at_once
 from .request import (
@@ -64,7 +67,7 @@ from .request import (
 )
 from .rules import RequestRules
 from .speaker_store import open_speaker_store
-from .speakers import SpeakerRecord, SpeakerStoreBase, validate_speaker_id
+from .speakers import SpeakerRecord, SpeakerStoreBase, VoiceFit, validate_speaker_id
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule
 from .token2wav.batcher import Token2WavBatcher
@@ -155,8 +158,8 @@ class Synthesizer:
 
     @classmethod
     def _build(cls, config: Config, token2wav: Callable[[ModelDir], Token2WavBatcher] | None) -> "Synthesizer":
+        device = check_device(config.model.device)
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
-        device = torch.device(config.model.device)
         if compile_in_use(config):
             use_compile_cache(config)
         # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
@@ -173,7 +176,9 @@ class Synthesizer:
         text_frontend.preload()
         prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat,
                                                       speech_tokenizer=model_dir.speech_tokenizer_onnx.name)
-        speakers = open_speaker_store(config.speakers)
+        # beside the store, the model directory's spk2info.pt (speakers of the directory's kind)
+        speakers = with_model_speakers(open_speaker_store(config.speakers, fit=VoiceFit.of(model_dir.dims)),
+                                       model_dir.path, tokenizer.encode, model_kind=model_dir.kind)
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
         return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
@@ -200,7 +205,12 @@ class Synthesizer:
         dtype = getattr(torch, self.config.model.flow_dtype)
         flow = self.dims.flow
         chosen, size = [], 0
-        for info in sorted(await self._in_cpu(self.speakers.infos), key=lambda i: -i.created_at):
+        try:
+            infos = await self._in_cpu(self.speakers.infos)
+        except StoreUnavailable as e:  # health stays NOT_SERVING until the store answers (the server's watch)
+            log.warning("no speaker prompt prefixes computed at start: %s", e)
+            return 0
+        for info in sorted(infos, key=lambda i: -i.created_at):
             if len(chosen) >= self.config.warmup.max_speakers:
                 break
             tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.chunk_tokens, flow.pre_lookahead_len)
@@ -215,6 +225,9 @@ class Synthesizer:
             try:
                 record = await self._in_cpu(self.speakers.get, speaker_id)
             except SpeakerNotFound:  # deleted since the listing
+                continue
+            except (SpeakerCorrupt, StoreUnavailable) as e:  # logged by the store; the others still start
+                log.warning("start-up skips speaker %r: %s", speaker_id, e)
                 continue
             await self._prepare_prefix(record)
         if chosen:
@@ -267,7 +280,7 @@ class Synthesizer:
             voice = record.voice
             if spec.flow_prompt and voice.kind == "sft":
                 raise Unsupported(f"speaker {request.speaker_id!r} is an embedding-only (sft) speaker; "
-                                  f"mode {request.mode.value} needs a zero-shot speaker")
+                                  f"mode {request.mode.value} needs a zero-shot speaker: use mode sft for it")
             return voice if spec.flow_prompt else Voice.embedding_only(voice.embedding)
         # VC too gets the aligned prompt (upstream's frontend_vc skips the alignment, which makes
         # the flow's output length depend on the prompt's mel/token mismatch)
@@ -289,8 +302,7 @@ class Synthesizer:
         validate_speaker_id(speaker_id)
         self.rules.check_text(prompt_text, "prompt_text")
         self.rules.check_prompt(audio, "prompt_audio")
-        if not overwrite and await self._in_cpu(self.speakers.exists, speaker_id):
-            raise SpeakerExists(f"speaker {speaker_id!r} exists; pass overwrite to replace it")
+        await self._in_cpu(self.speakers.check_put, speaker_id, overwrite)
         record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text),
                                model_kind=self.dims.kind)
         await self._in_cpu(self.speakers.put, record, overwrite)

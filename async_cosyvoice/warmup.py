@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
+from .errors import SpeakerCorrupt, SpeakerNotFound, StoreUnavailable
 from .files import cache_root
 from .request import Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest
 from .token2wav import ChunkSchedule
@@ -131,15 +132,23 @@ class Warmup:
                                    options=SynthesisOptions(stream=True, seed=0, max_tokens=self.max_tokens))
         await drain(synthesize(request))
         if self.coverage:
-            infos = sorted((i for i in await asyncio.to_thread(self.speakers.infos) if i.kind != "sft"),
-                           key=lambda i: -i.created_at)
+            try:
+                stored = await asyncio.to_thread(self.speakers.infos)
+            except StoreUnavailable as e:
+                log.warning("warm-up skips the registered speakers: %s", e)
+                stored = []
+            infos = sorted((i for i in stored if i.kind != "sft"), key=lambda i: -i.created_at)
             done: set[int] = set()
             for info in infos:
                 if len(done) >= self.config.warmup.max_speakers:
                     break
                 if info.n_speech_tokens not in done:
+                    try:
+                        await self.speaker(synthesize, info.speaker_id, info.n_speech_tokens)
+                    except (SpeakerNotFound, SpeakerCorrupt, StoreUnavailable) as e:  # a bad record is skipped, never fatal
+                        log.warning("warm-up skips speaker %r: %s", info.speaker_id, e)
+                        continue
                     done.add(info.n_speech_tokens)
-                    await self.speaker(synthesize, info.speaker_id, info.n_speech_tokens)
         log.info("warm-up done in %.1f s (%d prompt lengths at up to %d streams)", time.monotonic() - t,
                  len(self.warmed), self.max_batch if self.coverage else 1)
 

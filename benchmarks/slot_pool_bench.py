@@ -51,7 +51,7 @@ def stage(model_dir, models, setup: str, args, estimator: str | None = None, slo
     t2w.update(flow_cache=setup == "pool", max_batch=max(args.streams))
     if setup == "pool":
         slot_tokens = args.prompt_tokens + args.tokens
-        t2w.update(flow_cache_slots=slots or max(args.streams), flow_cache_slot_tokens=slot_tokens,
+        t2w.update(flow_cache_slots=slots or args.slots or max(args.streams), flow_cache_slot_tokens=slot_tokens,
                    flow_cache_speaker_bytes=StatePool.slot_nbytes(models.flow, slot_tokens))  # one speaker slot
     return token2wav_batcher(Config.model_validate(raw), models, model_dir).runner
 
@@ -122,7 +122,8 @@ def profile(runner, work, n: int, device, out: Path) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         lockstep(runner, streams, device)
-    families = {"gemm": ("gemm", "sm90", "cutlass", "ampere", "matmul", "xmma"), "attention": ("fmha", "flash", "attention", "softmax"),
+    families = {"attention": ("sdpa", "fmha", "flash", "attention", "softmax"),
+                "gemm": ("gemm", "nvjet", "cutlass", "ampere", "matmul", "xmma"),
                 "gather/scatter": ("index", "gather", "scatter"), "copy": ("copy", "memcpy", "memset", "cat"),
                 "conv": ("conv", "im2col")}
     totals: dict[str, float] = {}
@@ -135,6 +136,7 @@ def profile(runner, work, n: int, device, out: Path) -> dict:
         name = e.key.lower()
         fam = next((f for f, keys in families.items() if any(k in name for k in keys)), "elementwise/other")
         totals[fam] = totals.get(fam, 0.0) + t / 1000
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"profile_{n}.txt").write_text(prof.key_averages().table(sort_by="device_time_total" if device.type == "cuda"
                                                                      else "cpu_time_total", row_limit=40))
     return {"device_ms_by_family": totals, "kernels": kernels}
@@ -151,6 +153,8 @@ def main(argv=None) -> None:
     ap.add_argument("--first-hop", type=int, default=15)
     ap.add_argument("--setups", nargs="+", default=["recompute", "pool"])
     ap.add_argument("--profile-streams", type=int, default=None, help="profile one pass at this many streams")
+    ap.add_argument("--slots", type=int, help="stream slots of the pool (default: the most streams); streams past "
+                    "them recompute, as in the server")
     ap.add_argument("--fp32-check", action="store_true", help="also compare pool and recompute with an fp32 flow")
     ap.add_argument("--out", type=Path, default=Path("runs/slot-pool"))
     args = ap.parse_args(argv)
@@ -164,10 +168,9 @@ def main(argv=None) -> None:
     audio_s = args.tokens / 25
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "workload": vars(args) | {"out": str(args.out), "model_dir": str(path)}, "setups": {}}
-    runners = {}
     for setup in args.setups:
         t0 = time.perf_counter()
-        runner = runners[setup] = stage(model_dir, models, setup, args)
+        runner = stage(model_dir, models, setup, args)
         with torch.inference_mode():
             lockstep(runner, work.streams(max(args.streams)), device)  # capture / compile, untimed
             for n in args.streams:
@@ -183,9 +186,10 @@ def main(argv=None) -> None:
                                     "final_round_ms": round(sum(ms for ms, _, f in rounds if f), 1),
                                     "round_ms": [round(ms, 1) for ms, _, _ in rounds]}
             if args.profile_streams:
-                res["profile"] = profile(runner, work, args.profile_streams, device, args.out)
+                res["profile"] = profile(runner, work, args.profile_streams, device, args.out / setup)
         if device.type == "cuda":
             res["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
+            torch.cuda.reset_peak_memory_stats(device)
         if runner.state_pool is not None:
             res["pool_gib"] = round(runner.state_pool.nbytes / 2**30, 1)
             res["pool_stats"] = vars(runner.state_pool.stats)
@@ -196,19 +200,22 @@ def main(argv=None) -> None:
         for n, lvl in res["levels"].items():
             print(f"  {n:3d} streams: {lvl['gpu_ms_per_audio_s']:7.2f} ms per audio-s, {lvl['rounds']} rounds, "
                   f"final rounds {lvl['final_round_ms']:.0f} of {lvl['total_ms']:.0f} ms", flush=True)
-    if {"recompute", "pool"} <= set(runners):
-        with torch.inference_mode():
-            results["max_abs_mel_difference"] = {str(dtype).removeprefix("torch."): flow_mel_difference(
-                runners["recompute"], runners["pool"], work)}
-            if args.fp32_check and dtype != torch.float32:  # the same graphs in fp32: exactness, not rounding
-                del runners, runner
-                torch.cuda.empty_cache()
+        del runner  # the next setup gets the device's memory (a full pool and the graph pools do not fit together)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    # exactness: one stream through a one-slot pool against the recompute, in the flow's dtype and in fp32
+    differences = {}
+    with torch.inference_mode():
+        for dt in [dtype] + ([torch.float32] if args.fp32_check and dtype != torch.float32 else []):
+            if dt == torch.float32 and device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-                models = build_models(model_dir, device=device, dtype=torch.float32, with_llm=False)
-                pair = [stage(model_dir, models, setup, args, estimator="torch", slots=1) for setup in ("recompute", "pool")]
-                results["max_abs_mel_difference"]["float32"] = flow_mel_difference(*pair, work)
-        print("max |pool - recompute| flow mel:", results["max_abs_mel_difference"], flush=True)
-    (args.out / "slot_pool_results.json").write_text(json.dumps(results, indent=1))
+            m = models if dt == dtype else build_models(model_dir, device=device, dtype=dt, with_llm=False)
+            pair = [stage(model_dir, m, setup, args, estimator="torch", slots=1) for setup in ("recompute", "pool")]
+            differences[str(dt).removeprefix("torch.")] = flow_mel_difference(*pair, work)
+            del pair, m
+    results["max_abs_mel_difference"] = differences
+    print("max |pool - recompute| flow mel:", differences, flush=True)
+    (args.out / "slot_pool_results.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

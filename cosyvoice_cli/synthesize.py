@@ -1,8 +1,10 @@
-"""`async-cosyvoice synthesize`: text to an audio file, in-process or by a server (`--target`).
+"""`async-cosyvoice synthesize`: text to an audio file, in-process (cosyvoice_cli.local) or by a
+server (`--target`, cosyvoice_cli.remote).
 
 Both ways go through the same steps: a voice and options from the arguments, chunks as they come
 (one progress line on stderr), a file in `--encoding` (the raw encodings as a 16-bit .wav, the
-compressed ones as the stream's bytes), and one summary line on stdout.
+compressed ones as the stream's bytes), and one summary line on stdout. This module imports no
+torch: it is half of the client path (see cli.py).
 """
 from __future__ import annotations
 
@@ -13,19 +15,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import numpy as np
 import soundfile as sf
 
-from async_cosyvoice.audio_encoding import AudioStreamEncoder
-from async_cosyvoice.frontend.audio import load_audio, resample
 from async_cosyvoice.progress import ProgressLine
-from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
-from async_cosyvoice.tts import Synthesizer
-from grpc_async.client import ENCODINGS, MODES, RAW_ENCODINGS, chunk_samples, infer_mode
+from grpc_async.client import ENCODINGS, MODES, infer_mode
 
-from .options import add_local, add_remote, check_where, client_from_args, config_from_args
+from .options import add_local, add_remote, check_where
 
 LOCAL_ONLY = ("first_hop", "top_k", "save_tokens")
 RAW = ("pcm16", "float32", "wav")
@@ -57,7 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, help="in-process: RAS top-k (1 = greedy)")
     p.add_argument("--save-tokens", type=Path, help="in-process: write the speech tokens as a JSON list")
     p.add_argument("--out", type=Path, required=True, help="output file")
-    p.set_defaults(func=run)
 
 
 @dataclass
@@ -78,30 +75,42 @@ class Result:
     server_first_chunk_s: float | None = None
     chunks_seen: int = 0
     started: float = 0.0        # time.monotonic() when the request went out (after a model load)
+    # (samples, rate in, rate out) -> samples: how the whole raw audio reaches the file's rate where
+    # samples_rate differs (in-process: the library's resampler; a server sends the asked rate)
+    resample: Callable[[np.ndarray, int, int], np.ndarray] | None = None
 
 
-def run(args) -> int:
+def run(args, pieces: Callable[[argparse.Namespace, "Result"], AsyncIterator[Piece]]) -> int:
+    """The command, with `pieces(args, result)` the chunks from where it runs (local or remote)."""
     check_where(args, local_only=LOCAL_ONLY)
     if args.text_file:
         args.text = args.text_file.read_text(encoding="utf-8")
     elif args.text == "-":
         args.text = sys.stdin.read()
-    mode = args.mode or _infer_mode(args)
     result = Result()
-    source = _remote(args, mode, result) if args.target else _local(args, mode, result)
-    return asyncio.run(_write(args, source, result))
+    return asyncio.run(write(args, pieces(args, result), result))
 
 
-def _infer_mode(args) -> str:
+def choose_mode(args, speaker_kind: str | None = None) -> str:
+    """--mode, else what the voice arguments say. A speaker stored as an embedding only
+    (`speaker_kind` "sft") speaks in sft mode; a prompt without its transcript is refused rather
+    than silently spoken cross-lingual."""
+    if args.mode:
+        return args.mode
+    if args.speaker and speaker_kind == "sft" and not args.instruct:
+        return "sft"
+    if args.prompt_wav is not None and not (args.speaker or args.prompt_text or args.instruct or args.source_wav):
+        raise ValueError("--prompt-wav needs its transcript: pass --prompt-text \"what the prompt says\" "
+                         "(zero-shot), or --mode cross_lingual to use the voice without a transcript")
     try:
         return infer_mode(speaker_id=args.speaker, prompt_audio=args.prompt_wav, prompt_text=args.prompt_text,
                           instruct_text=args.instruct, source_audio=args.source_wav)
     except ValueError:
-        raise ValueError("give a voice: --prompt-wav [--prompt-text], --speaker ID, or --source-wav with "
+        raise ValueError("give a voice: --prompt-wav with --prompt-text, --speaker ID, or --source-wav with "
                          "--prompt-wav") from None
 
 
-async def _write(args, source: AsyncIterator[Piece], result: Result) -> int:
+async def write(args, source: AsyncIterator[Piece], result: Result) -> int:
     progress = ProgressLine()
     samples, data, chunks, seconds, first, text = [], [], 0, 0.0, None, "no audio"
     async for piece in source:
@@ -119,7 +128,7 @@ async def _write(args, source: AsyncIterator[Piece], result: Result) -> int:
     if args.encoding in RAW:
         audio = np.concatenate(samples) if samples else np.zeros(0, np.float32)
         if result.samples_rate != result.sample_rate:
-            audio = resample(audio, result.samples_rate, result.sample_rate)
+            audio = result.resample(audio, result.samples_rate, result.sample_rate)
         sf.write(args.out, np.clip(audio, -1.0, 1.0), result.sample_rate, subtype="PCM_16")
     else:
         args.out.write_bytes(b"".join(data))
@@ -134,73 +143,3 @@ async def _write(args, source: AsyncIterator[Piece], result: Result) -> int:
     return 0
 
 
-# -- in-process --------------------------------------------------------------------------------
-
-def _request(args, mode: str) -> SynthesisRequest:
-    options = SynthesisOptions(stream=args.stream, speed=1.0 if args.speed is None else args.speed,
-                               text_frontend=not args.no_text_frontend, seed=args.seed, top_k=args.top_k,
-                               max_tokens=args.max_tokens,
-                               **({"first_hop": args.first_hop} if args.first_hop else {}))
-    return SynthesisRequest(Mode(mode), text=args.text or "", prompt_text=args.prompt_text or "",
-                            prompt_audio=load_audio(args.prompt_wav) if args.prompt_wav else None,
-                            instruct_text=args.instruct or "", speaker_id=args.speaker or "",
-                            source_audio=load_audio(args.source_wav) if args.source_wav else None,
-                            options=options)
-
-
-async def _local(args, mode: str, result: Result) -> AsyncIterator[Piece]:
-    request = _request(args, mode)
-    synth = await Synthesizer.create(config_from_args(args), warmup=False)
-    try:
-        native = result.samples_rate = synth.sample_rate
-        result.sample_rate = args.sample_rate or native
-        encoder = None
-        if args.encoding not in RAW:
-            encoder = AudioStreamEncoder(LIBRARY_FORMAT.get(args.encoding, args.encoding), result.sample_rate,
-                                         native)
-        loop = asyncio.get_running_loop()
-        last = (0, 0.0)
-        result.started = time.monotonic()
-        async for chunk in synth.synthesize(request):
-            result.speech_tokens.extend(chunk.segment_tokens)
-            end_s = (chunk.sample_offset + len(chunk.samples)) / chunk.sample_rate
-            if encoder is not None:  # codecs are CPU work: off the loop the synthesizer runs on
-                data = await loop.run_in_executor(None, encoder.encode, chunk.samples)
-                yield Piece(chunk.index, end_s, None, data)
-            else:
-                yield Piece(chunk.index, end_s, chunk.samples)
-            last = chunk.index, end_s
-        if encoder is not None:
-            yield Piece(*last, None, await loop.run_in_executor(None, encoder.finish))
-        result.n_speech_tokens = len(result.speech_tokens)
-    finally:
-        await synth.close()
-
-
-# -- by a server -------------------------------------------------------------------------------
-
-async def _remote(args, mode: str, result: Result) -> AsyncIterator[Piece]:
-    async with client_from_args(args) as client:
-        samples_so_far = 0
-        result.started = time.monotonic()
-        async for chunk in client.synthesize(
-                args.text or "", mode=mode, speaker_id=args.speaker, prompt_audio=args.prompt_wav,
-                prompt_text=args.prompt_text, instruct_text=args.instruct, source_audio=args.source_wav,
-                stream=args.stream, speed=args.speed, text_frontend=False if args.no_text_frontend else None,
-                encoding=args.encoding, sample_rate=args.sample_rate or 0, seed=args.seed,
-                max_tokens=args.max_tokens, timeout=args.timeout):
-            if chunk.index != result.chunks_seen:
-                raise ConnectionError(f"chunk {chunk.index} arrived, expected {result.chunks_seen}")
-            result.chunks_seen += 1
-            result.sample_rate = result.samples_rate = chunk.sample_rate
-            samples_so_far += chunk.num_samples
-            end_s = samples_so_far / chunk.sample_rate if chunk.sample_rate else 0.0
-            if chunk.is_final:
-                result.n_speech_tokens = chunk.summary.speech_tokens
-                result.server_first_chunk_s = chunk.summary.first_chunk_latency_seconds
-            if chunk.encoding in RAW_ENCODINGS:
-                yield Piece(chunk.index, end_s, chunk_samples(chunk))
-            else:
-                yield Piece(chunk.index, end_s, None, chunk.audio)
-        if not result.chunks_seen:
-            raise ConnectionError("the server sent no audio")

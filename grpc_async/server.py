@@ -24,30 +24,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import ipaddress
 import logging
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health as grpc_health
-from grpc_health.v1 import health_pb2
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import CosyVoiceError, ModelDirError
+from async_cosyvoice.devices import check_device
+from async_cosyvoice.errors import (
+    ConfigError,
+    CosyVoiceError,
+    ModelDirError,
+    StoreUnavailable,
+    Unsupported,
+)
 from async_cosyvoice.heap import fix_mmap_threshold
 from async_cosyvoice.loop_thread import LoopThread
-from async_cosyvoice.placement import create_synthesizer
+from async_cosyvoice.placement import create_synthesizer, devices_of
+from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.tts import Synthesizer
 
 from ._stubs import SERVICE_NAME
-from .device_metrics import DeviceCollector
 from .auth import BearerAuthInterceptor, server_credentials
+from .device_metrics import DeviceCollector
 from .metrics import Metrics
 from .servicer import CosyVoiceServicer, pb2_grpc
+from .store_watch import StoreWatch
+from .undecodable import UndecodableRequests
 
 if TYPE_CHECKING:
     from http_api import HttpFrontDoor
@@ -61,6 +73,34 @@ _END_STREAMS_WAIT = 5.0  # seconds for cancelled streams to send their UNAVAILAB
 # UNAVAILABLE with the reason: grpc's stop cancels calls it has not yet handed to a handler, so a
 # request racing the health change would otherwise get a bare CANCELLED, which clients don't retry.
 _DEAD_LINGER_SECONDS = 1.0
+
+
+def check_port_free(host: str, port: int | None, door: str) -> None:
+    """ConfigError when another process listens on host:port (grpc and uvicorn would each print
+    their own lines and a traceback). Port None or 0 (any free port) is always fine."""
+    if not port:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"the {door} port {host}:{port} is in use by another process; stop it or "
+                                      f"choose another port") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server to this machine (a name other than localhost counts as
+    not: it may resolve to any interface)."""
+    if host.lower() in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class HealthServicer(grpc_health.aio.HealthServicer):
@@ -86,6 +126,7 @@ class CosyVoiceServer:
         self._factory = synthesizer_factory
         self._loader: asyncio.Task | None = None
         self._engine_watch: asyncio.Task | None = None
+        self._store_watch: StoreWatch | None = None
         self.engine_died: asyncio.Future[str] | None = None  # resolves with the reason; made in start()
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -108,6 +149,18 @@ class CosyVoiceServer:
         cfg = self.config
         if cfg.server.port is None and cfg.server.http_port is None:
             raise ValueError("both front doors are off: set server.port (gRPC) and/or server.http_port (HTTP)")
+        if self._given is None:
+            for device in devices_of(cfg):
+                check_device(device)
+        check_port_free(cfg.server.host, cfg.server.port, "gRPC (--port)")
+        check_port_free(cfg.server.host, cfg.server.http_port, "HTTP (--http-port)")
+        check_port_free(cfg.server.host, cfg.server.metrics_port, "metrics (server.metrics_port)")
+        self.engine_died = asyncio.get_running_loop().create_future()  # whichever doors are open
+        if not is_loopback(cfg.server.host) and not cfg.server.auth_token:
+            log.warning("server.host %s accepts connections from other machines and server.auth_token is not set: "
+                        "anyone who reaches the port can synthesize and register or delete speakers; set "
+                        "server.auth_token (env ASYNC_COSYVOICE__SERVER__AUTH_TOKEN) or bind 127.0.0.1",
+                        cfg.server.host)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if cfg.server.port is not None:
             await self._start_grpc()
@@ -126,9 +179,8 @@ class CosyVoiceServer:
     async def _start_grpc(self) -> None:
         cfg = self.config
         limits = cfg.limits
-        self.engine_died = asyncio.get_running_loop().create_future()
         interceptors = [BearerAuthInterceptor(cfg.server.auth_token)] if cfg.server.auth_token else []
-        self._server = grpc.aio.server(interceptors=interceptors, options=[
+        self._server = grpc.aio.server(interceptors=[*interceptors, UndecodableRequests()], options=[
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
             ("grpc.so_reuseport", 0),
@@ -166,8 +218,45 @@ class CosyVoiceServer:
         if self.http is not None:
             await self.http.stop(grace)
 
+    async def _check_store_durability(self) -> None:
+        """Log (or, speakers.redis_durability: require, refuse to start over) how acknowledged
+        registrations could be lost if the store's server crashed. Checked before the model loads,
+        on a store opened for the check; the folder store writes fsynced files and has nothing to say."""
+        if self.config.speakers.backend == "directory":
+            return
+
+        def problem() -> str | None:
+            store = open_speaker_store(self.config.speakers)
+            try:
+                return store.persistence_problem()
+            finally:
+                store.close()
+
+        required = self.config.speakers.redis_durability == "require"
+        try:
+            found = await asyncio.to_thread(problem)
+        except StoreUnavailable as e:
+            if required:
+                raise Unsupported(f"{e}; speakers.redis_durability is require, so its persistence must be "
+                                  "checked before serving") from None
+            log.warning("cannot check the speaker store's persistence: %s", e)
+            return
+        if found is None:
+            return
+        if required:
+            raise Unsupported(f"{found} (speakers.redis_durability: require; warn starts anyway)")
+        log.warning("%s (set speakers.redis_durability: require to refuse to start)", found)
+
+    async def _store_reachable(self, reachable: bool) -> None:
+        """The store watch: health follows the store while the server is otherwise ready."""
+        if self.servicer.closing or self.servicer.engine_failure is not None or self.synthesizer is None:
+            return
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING if reachable
+                               else health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def _load(self) -> None:
         t0 = time.perf_counter()
+        await self._check_store_durability()
         synth = self._given
         if synth is None:
             if self._factory is not None:
@@ -175,16 +264,24 @@ class CosyVoiceServer:
             else:
                 synth = await create_synthesizer(self.config)  # one device, or several (model.devices)
         self.servicer.synth = synth
+        log.info("speaker store: %r", synth.speakers)
         self.metrics.bind_engine(synth.engine_stats)
         self.metrics.bind_stages(synth.stage_stats)
         self.metrics.registry.register(DeviceCollector(synth))
-        await asyncio.to_thread(synth.speakers.unreadable_records)  # logs each one
+        try:
+            await asyncio.to_thread(synth.speakers.unreadable_records)  # logs each one
+        except StoreUnavailable as e:
+            log.warning("cannot check the stored speakers: %s", e)
         if self.servicer.closing:
             return
         self._engine_watch = asyncio.create_task(self._watch_engine(synth))
         self.metrics.ready.set(1)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("model ready in %.1f s; health SERVING", time.perf_counter() - t0)
+        self._store_watch = StoreWatch(synth.speakers, self._store_reachable)
+        if synth.speakers.reachable:
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._store_watch.start()  # an unreachable store: NOT_SERVING until it answers
+        log.info("model ready in %.1f s; health %s", time.perf_counter() - t0,
+                 "SERVING" if synth.speakers.reachable else "NOT_SERVING until the speaker store answers")
 
     async def _watch_engine(self, synth: "Synthesizer") -> None:
         reason = await synth.wait_dead()  # "the speech-token engine died (…)", "the token2wav process … exited …"
@@ -226,9 +323,11 @@ class CosyVoiceServer:
             if not self.servicer.idle.is_set():  # wait_for(…, 0) times out even on a set event
                 await asyncio.wait_for(self.servicer.idle.wait(), timeout=grace)
         except asyncio.TimeoutError:
-            left = self.servicer.end_streams(
-                f"the server shut down before this stream finished (the drain grace of {grace:g} s "
-                "ran out); retry on another instance")
+            message = (f"the server shut down before this stream finished (the drain grace of {grace:g} s "
+                       "ran out); retry on another instance")
+            left = self.servicer.end_streams(message)
+            if self.http is not None:
+                left += self.http.end_sessions(message)
             log.warning("drain grace of %.1f s is over: ending %d stream(s) with UNAVAILABLE", grace, len(left))
             if left:
                 await asyncio.wait(left, timeout=_END_STREAMS_WAIT)
@@ -237,6 +336,8 @@ class CosyVoiceServer:
             await self._server.stop(max(0.0, deadline - loop.time()))
         if self._engine_watch is not None:
             self._engine_watch.cancel()
+        if self._store_watch is not None:
+            self._store_watch.close()
         if self._loader is not None and not self._loader.done():
             self._loader.cancel()
         if self._loader is not None:

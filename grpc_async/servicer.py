@@ -20,13 +20,12 @@ import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import (CosyVoiceError, EngineDead, InvalidRequest, NotReady, Overloaded,
-                                   SpeakerCorrupt, SpeakerExists, SpeakerNotFound, TextTimeout, Unsupported)
+from async_cosyvoice.errors import CosyVoiceError, EngineDead, InvalidRequest, NotReady, status_of
 from async_cosyvoice.frontend.audio import load_audio, pcm_to_audio
 from async_cosyvoice.heap import HeapTrimmer
 from async_cosyvoice.limiter import StreamLimiter
 from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest, Timeline
-from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord
+from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speaker_id
 from async_cosyvoice.tts import Synthesizer
 
 from ._stubs import load as _load_stubs
@@ -48,23 +47,9 @@ _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # early). A cancel this close to the deadline is logged and counted as DEADLINE_EXCEEDED.
 DEADLINE_SLACK_SECONDS = 0.1
 
-_STATUS_OF: list[tuple[type[Exception], grpc.StatusCode]] = [
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (SpeakerNotFound, grpc.StatusCode.NOT_FOUND),
-    (SpeakerExists, grpc.StatusCode.ALREADY_EXISTS),
-    (Unsupported, grpc.StatusCode.FAILED_PRECONDITION),
-    (SpeakerCorrupt, grpc.StatusCode.DATA_LOSS),
-    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (NotReady, grpc.StatusCode.UNAVAILABLE),
-    (TextTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
-]
-
-
-def status_for(error: CosyVoiceError) -> grpc.StatusCode:
-    for cls, code in _STATUS_OF:
-        if isinstance(error, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+def status_for(error: BaseException) -> grpc.StatusCode:
+    """The error's status (the library's one table, `async_cosyvoice.errors.status_of`)."""
+    return grpc.StatusCode[status_of(error).grpc]
 
 
 class _Call:
@@ -295,8 +280,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
             fields = dict(prompt_audio=_decode_audio(voice.prompt_audio, f"{mode}.prompt_audio"))
             if mode == "vc":
                 fields["source_audio"] = _decode_audio(voice.source_audio, "vc.source_audio")
-        elif mode in ("sft", "zero_shot_by_spk_id", "instruct2_by_spk_id"):
-            fields = dict(speaker_id=voice.speaker_id)
+        elif mode in ("sft", "zero_shot_by_spk_id", "instruct2_by_spk_id"):  # named by its own field
+            fields = dict(speaker_id=validate_speaker_id(voice.speaker_id, f"{mode}.speaker_id"))
         else:
             raise InvalidRequest("no mode set: set one of zero_shot, cross_lingual, instruct2, sft, "
                                  "zero_shot_by_spk_id, instruct2_by_spk_id, vc")

@@ -1,12 +1,14 @@
 """What the HTTP routes are built from (`Backend`, shared with the gRPC front door) and who may call."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from fastapi import Request
+from starlette.requests import HTTPConnection
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.limiter import StreamLimiter
@@ -28,6 +30,16 @@ class Backend:
     # audio encoding runs here, never on the event loop
     encode_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="http-encode"))
+    sessions: set[asyncio.Task] = field(default_factory=set)  # open WebSocket handler tasks
+    ending: str | None = None  # set by end_sessions: what the cancelled sessions tell their clients
+
+    def end_sessions(self, message: str) -> list[asyncio.Task]:
+        """Cancel every open WebSocket session; each tells its client `message` (websocket.py)."""
+        self.ending = message
+        tasks = list(self.sessions)
+        for task in tasks:
+            task.cancel()
+        return tasks
 
     def check_token(self, authorization: str | None) -> None:
         token = self.config.server.auth_token
@@ -41,6 +53,15 @@ class Backend:
 
 def backend_of(request: Request) -> Backend:
     return request.app.state.backend
+
+
+def bearer(connection: HTTPConnection) -> str | None:
+    """`Authorization: Bearer` header, or `?api_key=` for browsers (they cannot set WebSocket
+    headers, nor the API docs page its fetch's)."""
+    if "authorization" in connection.headers:
+        return connection.headers["authorization"]
+    key = connection.query_params.get("api_key")
+    return f"Bearer {key}" if key is not None else None
 
 
 async def require_token(request: Request) -> None:

@@ -16,12 +16,12 @@ log = logging.getLogger("http_api")
 class HttpCall:
     """What one request did: what goes into its log line and metrics (same metrics as gRPC)."""
 
-    def __init__(self, method: str, peer: str):
+    def __init__(self, method: str, peer: str, request_id: str | None = None):
         self.method = method          # e.g. "POST /v1/audio/speech" (the metrics' method label)
         self.peer = peer
         self.start = time.perf_counter()
         self.clock_start = self.start  # first-chunk latency reference (WebSocket: the first text)
-        self.request_id = uuid.uuid4().hex
+        self.request_id = request_id or uuid.uuid4().hex  # HTTP: the id the RequestId middleware gave it
         self.mode = "-"
         self.voice = ""
         self.stream: bool | None = None

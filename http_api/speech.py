@@ -24,7 +24,7 @@ from async_cosyvoice.request import AudioChunk, SynthesisOptions, SynthesisReque
 from .audio import OPENAI_FORMATS, OPENAI_SAMPLE_RATE, EncodedAudio
 from .backend import Backend, backend_of
 from .call import HttpCall
-from .errors import error_body, error_response, status_for
+from .errors import INTERNAL, error_body, error_response, request_id_of, status_for
 from .voice import choose_voice
 
 router = APIRouter()
@@ -44,9 +44,9 @@ class SpeechRequest(BaseModel):
     voice: str | VoiceRef
     instructions: str | None = None
     response_format: str = "mp3"
-    speed: float = 1.0
+    speed: float = Field(1.0, strict=True)  # strict: true is not 1.0 (ints are still floats)
     stream_format: Literal["audio", "sse"] = "audio"
-    seed: int | None = Field(None, ge=0, description="extension: the same seed gives the same audio")
+    seed: int | None = Field(None, ge=0, strict=True, description="extension: the same seed gives the same audio")
 
 
 def check_model(backend: Backend, model: str) -> None:
@@ -84,7 +84,7 @@ class AudioStreamResponse(StreamingResponse):
 @router.post("/v1/audio/speech")
 async def create_speech(body: SpeechRequest, request: Request):
     backend = backend_of(request)
-    call = HttpCall("POST /v1/audio/speech", peer(request))
+    call = HttpCall("POST /v1/audio/speech", peer(request), request_id_of(request))
     call.format = body.response_format
     cleanup = contextlib.AsyncExitStack()
     try:
@@ -165,7 +165,7 @@ async def sse_events(encoded: AsyncIterator[bytes], call: HttpCall) -> AsyncIter
     except Exception as e:
         call.failed(e)
         status = status_for(e)
-        message = call.detail if status.http != 500 else f"internal error (request id {call.request_id})"
+        message = call.detail if status is not INTERNAL else f"internal error (request id {call.request_id})"
         yield _event({"type": "error", **error_body(status, message)})
         return
     usage = {"input_tokens": 0, "output_tokens": call.tokens, "total_tokens": call.tokens}

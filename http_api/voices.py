@@ -1,4 +1,4 @@
-"""Voices (our registered speakers), models, and health probes."""
+"""Voices (our registered speakers), models, audio formats, and health probes."""
 from __future__ import annotations
 
 import asyncio
@@ -6,14 +6,16 @@ import asyncio
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
+from async_cosyvoice.audio_encoding import FORMATS
 from async_cosyvoice.demo import served_model_name
-from async_cosyvoice.errors import InvalidRequest, NotReady
+from async_cosyvoice.errors import InvalidRequest, NotReady, StoreUnavailable
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.speakers import validate_speaker_id
 
+from .audio import OPENAI_FORMATS, STREAM_FORMATS
 from .backend import backend_of
 from .call import HttpCall
-from .errors import error_response
+from .errors import error_response, request_id_of
 from .speech import peer
 
 router = APIRouter()
@@ -32,7 +34,7 @@ def _voice(info, aliases: dict[str, str]) -> dict:
 async def _unary(request: Request, method: str, body, voice: str = ""):
     """Run one non-streaming request with its log line and metrics; errors in OpenAI's shape."""
     backend = backend_of(request)
-    call = HttpCall(method, peer(request))
+    call = HttpCall(method, peer(request), request_id_of(request))
     call.voice = voice[:80]
     try:
         return await body(backend)
@@ -88,6 +90,17 @@ async def list_models(request: Request):
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "async_cosyvoice"}]}
 
 
+@router.get("/v1/audio/formats")
+async def list_formats():
+    """Extension: the formats `POST /v1/audio/speech` (`speech`) and the WebSocket (`websocket`) write."""
+    data = [{"id": name, "object": "audio_format", "content_type": FORMATS[name].content_type,
+             "speech": name in OPENAI_FORMATS, "websocket": name in STREAM_FORMATS,
+             "streamed": not FORMATS[name].whole_file,
+             "sample_rates": list(FORMATS[name].sample_rates or ())}
+            for name in dict.fromkeys(OPENAI_FORMATS + STREAM_FORMATS)]
+    return {"object": "list", "data": data}
+
+
 @health.get("/healthz")
 async def healthz():
     """Liveness: the process serves HTTP (the model may still be loading)."""
@@ -96,9 +109,11 @@ async def healthz():
 
 @health.get("/readyz")
 async def readyz(request: Request):
-    """Readiness: the model is loaded and the server is not shutting down."""
+    """Readiness: the model is loaded, the speaker store answers and the server is not shutting down."""
     try:
-        backend_of(request).synthesizer()
+        synth = backend_of(request).synthesizer()
+        if not synth.speakers.reachable:
+            raise StoreUnavailable(f"the speaker store ({synth.speakers}) is unreachable; reconnecting")
     except NotReady as e:
-        return error_response(e)
+        return error_response(e, request_id_of(request))
     return {"status": "ready"}

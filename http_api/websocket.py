@@ -27,7 +27,7 @@ from async_cosyvoice.request import FLUSH, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.tts import default_text_mode
 
 from .audio import STREAM_FORMATS, EncodedAudio
-from .backend import Backend
+from .backend import Backend, bearer
 from .call import HttpCall
 from .errors import INTERNAL, status_for
 from .voice import choose_voice
@@ -41,14 +41,6 @@ _OPTION_TYPES = {"seed": int, "text_frontend": bool, "first_hop": int}
 
 class ClientGone(Exception):
     """The client closed the socket."""
-
-
-def _bearer(ws: WebSocket) -> str | None:
-    """`Authorization: Bearer` header, or `?api_key=` for browsers (they cannot set WebSocket headers)."""
-    if "authorization" in ws.headers:
-        return ws.headers["authorization"]
-    key = ws.query_params.get("api_key")
-    return f"Bearer {key}" if key is not None else None
 
 
 async def _receive(ws: WebSocket) -> dict:
@@ -191,6 +183,7 @@ class _Session:
 
 
 _CLOSE_NORMAL = 1000
+_CLOSE_SERVICE_RESTART = 1012
 
 
 @router.websocket("/v1/audio/speech/stream")
@@ -201,8 +194,9 @@ async def speech_stream(ws: WebSocket) -> None:
     session = _Session(ws, backend, call)
     tasks: list[asyncio.Task] = []
     await ws.accept()
+    backend.sessions.add(asyncio.current_task())
     try:
-        backend.check_token(_bearer(ws))
+        backend.check_token(bearer(ws))
         request, fmt, rate, text_mode, normalization = await session.configure()
         synth = backend.synthesizer()
         async with backend.limiter.slot():
@@ -223,8 +217,15 @@ async def speech_stream(ws: WebSocket) -> None:
     except (ClientGone, WebSocketDisconnect):  # starlette turns a send to a closed socket into the latter
         call.status = "CANCELLED"
     except asyncio.CancelledError:
-        call.status = "CANCELLED"
-        raise
+        if backend.ending is None:
+            call.status = "CANCELLED"
+            raise
+        # the server is shutting down (end_sessions): say so, then close with 1012 (service restart)
+        call.status, call.detail = "503", backend.ending
+        with contextlib.suppress(Exception):
+            await ws.send_text(json.dumps({"type": "error", "code": "unavailable", "status": 503,
+                                           "message": backend.ending}))
+            await ws.close(_CLOSE_SERVICE_RESTART, reason="server shutting down; retry on another instance")
     except Exception as e:
         call.failed(e)
         status = status_for(e)
@@ -234,6 +235,7 @@ async def speech_stream(ws: WebSocket) -> None:
                                            "message": message}))
             await ws.close(4000 + status.http, reason=status.code)
     finally:
+        backend.sessions.discard(asyncio.current_task())
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -4,7 +4,8 @@
 # machine), then the project with its http extra, a real install with dependencies; torch's
 # version and files must be the same afterwards, and the package must import against it.
 #   scripts/check_install_over_torch.sh [python]      (TORCH_VERSION=2.14.1 by default)
-# Too heavy for CI (the CUDA torch wheels are ~2.7 GB); run by hand, output in NOTES-encoders.md.
+# Too heavy for CI (the CUDA torch wheels are ~2.7 GB); run by hand: docs/deployment.md ("Installing on a
+# GPU machine") says what a run showed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-python3}

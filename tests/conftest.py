@@ -22,7 +22,9 @@ def tiny_dir() -> Path:
     d = fixture_dir()
     if not (d / "cosyvoice2.yaml").is_file():
         pytest.fail(
-            f"CosyVoice2 tiny fixture not found at {d}. Set {FIXTURE_ENV} to the directory "
+            f"CosyVoice2 tiny fixture not found at {d}. It is not in the repository: it ships beside it as "
+            "../shared/fixtures/cosyvoice2-tiny (random weights, goldens recorded from the upstream code; "
+            f"README.md, 'The parity fixture'). Copy it there, or set {FIXTURE_ENV} to the directory "
             "holding cosyvoice2.yaml, llm.pt, flow.pt, hift.pt and golden/."
         )
     return d

@@ -12,6 +12,7 @@ import soundfile as sf
 
 from async_cosyvoice.audio_encoding import FORMATS, AudioStreamEncoder, _OggPager
 from async_cosyvoice.errors import InvalidRequest
+from async_cosyvoice.frontend.audio import AudioError, load_audio, pcm_to_audio
 
 SOURCE_RATE = 24000
 CHUNK = 14400                       # 0.6 s at 24 kHz, the size of a streaming chunk
@@ -80,15 +81,49 @@ def test_every_format_decodes_back_to_the_input(fmt, rate):
         np.testing.assert_allclose(y[:len(want_y)], want_y, atol=1.5 / 32767 if fmt != "f32" else 1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["wav", "opus"])
-def test_libsndfile_reads_our_streams(fmt):
-    """A second decoder (libsndfile) for the containers we write ourselves. (Not FLAC: a streamed
-    FLAC header says "length unknown", and libsndfile 1.2 fails a seek near the end of such a
-    file; FFmpeg, libFLAC and browsers read it.)"""
+LIBSNDFILE_READS = ("wav", "flac", "opus", "mp3")   # libsndfile 1.2.2 has no AAC and no WebM
+
+
+def _read_like_a_user(data: bytes, fmt: str, rate: int) -> tuple[np.ndarray, int]:
+    """What a Python user reads: python-soundfile (libsndfile) where it knows the format, PyAV otherwise."""
+    if fmt in LIBSNDFILE_READS:
+        y, out_rate = sf.read(io.BytesIO(data), dtype="float32")
+        return y, out_rate
+    return _decode(data, fmt, rate)
+
+
+@pytest.mark.parametrize("chunks", ["streamed", "whole"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_format_round_trips(fmt, chunks):
+    """Each format is read back at the right rate and length (libsndfile where it can: FLAC too,
+    whose header must carry the length) and is accepted back as prompt audio."""
+    rate = 48000
+    x = _tone(sum(SIZES))
+    encoder = AudioStreamEncoder(fmt, rate)
+    data = b"".join(_stream(encoder, x, SIZES if chunks == "streamed" else [len(x)]))
+    y, out_rate = _read_like_a_user(data, fmt, rate)
+    assert out_rate == rate
+    assert encoder.samples <= len(y) <= encoder.samples + _SLACK_S.get(fmt, 0), (len(y), encoder.samples)
+    if fmt in ("wav", "flac", "opus", "pcm", "f32"):
+        assert len(y) == encoder.samples
+    if fmt in ("pcm", "f32"):
+        prompt = pcm_to_audio(data, rate, "s16le" if fmt == "pcm" else "f32le")
+    else:
+        prompt = load_audio(data)
+    assert prompt.sample_rate == rate and abs(len(prompt.samples) - len(y)) <= _SLACK_S.get(fmt, 0)
+    assert abs(_dominant_hz(prompt.samples[len(y) // 4: len(y) // 2], rate) - TONE_HZ) < 5
+
+
+def test_flac_comes_out_whole_with_its_length_in_the_header():
+    encoder = AudioStreamEncoder("flac", 24000)
     x = _tone(3 * CHUNK)
-    data = b"".join(_stream(AudioStreamEncoder(fmt, 48000), x, [CHUNK] * 3))
-    y, rate = sf.read(io.BytesIO(data), dtype="float32")
-    assert rate == 48000 and len(y) == 2 * len(x)
+    assert encoder.encode(x[:CHUNK]) == b"" and encoder.encode(x[CHUNK:]) == b""
+    data = encoder.finish()
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0          # STREAMINFO first
+    streaminfo = data[8:8 + 34]
+    total = int.from_bytes(streaminfo[13:18], "big") & (2 ** 36 - 1)
+    assert total == len(x) and streaminfo[18:34] != bytes(16)   # the length and the MD5 are set
+    assert sf.info(io.BytesIO(data)).frames == len(x)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -117,6 +152,8 @@ def test_first_chunk_comes_out_at_once():
     """Each 0.6 s chunk returns bytes right away (no container holds a page back for long)."""
     x = _tone(CHUNK)
     for fmt in FORMATS:
+        if FORMATS[fmt].whole_file:     # FLAC: its header needs the length (test above)
+            continue
         encoder = AudioStreamEncoder(fmt, 24000)
         first = encoder.encode(x)
         assert first, fmt
@@ -204,3 +241,13 @@ def test_properties():
     encoder = AudioStreamEncoder("mp3", 24000)
     assert encoder.format == "mp3" and encoder.content_type == "audio/mpeg"
     assert AudioStreamEncoder("webm", 48000).content_type == "audio/webm;codecs=opus"
+
+
+@pytest.mark.parametrize("upload", [
+    b"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n",
+    b"ffconcat version 1.0\nfile '/etc/passwd'\n",
+], ids=["hls", "concat"])
+def test_prompt_audio_is_never_a_list_of_other_files(upload):
+    """FFmpeg decodes what libsndfile cannot, but only audio files: no playlist or concat list."""
+    with pytest.raises(AudioError, match="cannot decode"):
+        load_audio(upload)

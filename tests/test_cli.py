@@ -54,7 +54,8 @@ def test_greedy_tokens_are_reproducible_from_the_command_line(common, tiny_dir, 
     runs = []
     for i in range(2):
         tokens = tmp_path / f"t{i}.json"
-        assert main(["synthesize", "--prompt-wav", prompt, "--text", "Hello there.", "--top-k", "1",
+        assert main(["synthesize", "--mode", "cross_lingual", "--prompt-wav", prompt, "--text", "Hello there.",
+                     "--top-k", "1",
                      "--engine", "native", "--save-tokens", str(tokens), "--out", str(tmp_path / f"{i}.wav"),
                      *common]) == 0
         runs.append(json.loads(tokens.read_text()))
@@ -64,11 +65,13 @@ def test_greedy_tokens_are_reproducible_from_the_command_line(common, tiny_dir, 
 def test_bad_input_is_an_error_not_a_traceback(common, tiny_dir, tmp_path, capsys):
     garbage = tmp_path / "garbage.wav"
     garbage.write_bytes(b"not audio at all")
-    assert main(["synthesize", "--prompt-wav", str(garbage), "--text", "Hi.", "--out", str(tmp_path / "o.wav"),
+    assert main(["synthesize", "--mode", "cross_lingual", "--prompt-wav", str(garbage), "--text", "Hi.",
+                 "--out", str(tmp_path / "o.wav"),
                  *common]) == 2
     assert "cannot decode file" in capsys.readouterr().err
     assert main(["speakers", "show", "../etc", *common]) == 2
-    assert main(["synthesize", "--model-dir", str(tmp_path), "--prompt-wav", str(tiny_dir / "golden" / "prompt_24k.wav"),
+    assert main(["synthesize", "--model-dir", str(tmp_path), "--mode", "cross_lingual",
+                 "--prompt-wav", str(tiny_dir / "golden" / "prompt_24k.wav"),
                  "--text", "Hi.", "--out", str(tmp_path / "o.wav")]) == 2
     assert "cosyvoice2.yaml" in capsys.readouterr().err
     assert not (tmp_path / "o.wav").exists()
@@ -84,7 +87,8 @@ def test_config_first_hop_is_honoured(common, tiny_dir, tmp_path, capsys):
     config.write_text("token2wav:\n  first_hop: 20\n  adaptive: false\n")
     prompt = str(tiny_dir / "golden" / "prompt_24k.wav")
     out = tmp_path / "o.opus"
-    assert main(["synthesize", "--prompt-wav", prompt, "--text", "Hello there.", "--stream", "--max-tokens", "40",
+    assert main(["synthesize", "--mode", "cross_lingual", "--prompt-wav", prompt, "--text", "Hello there.",
+                 "--stream", "--max-tokens", "40",
                  "--encoding", "opus", "--sample-rate", "48000", "--config", str(config), "--out", str(out),
                  *common]) == 0
     assert out.read_bytes()[:4] == b"OggS" and sf.info(out).frames == 40 * 960 * 2

@@ -3,7 +3,8 @@ the official `openai` SDK, httpx, the `websockets` client and headless Chromium.
 
 One server per module (gRPC + HTTP in one loop, bearer token on both, aliases `alloy` ->
 tiny_zs_spk). Each response format is decoded back with PyAV and its duration compared with the
-PCM of the same seed.
+PCM of the same seed; every output format of every door round-trips (read back by libsndfile
+where it knows the format, PyAV otherwise, and registered back as a voice's prompt).
 """
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile as sf
 import websockets
 from websockets.asyncio.client import connect as ws_connect
 
 from cosyvoice_cli.cli import build_parser, serve_config
 from async_cosyvoice.config import Config
 from async_cosyvoice.speakers import SpeakerStore
-from grpc_async.client import CosyVoiceClient, collect
+from grpc_async.client import ENCODINGS, CosyVoiceClient, collect, pb2
+from http_api.audio import OPENAI_FORMATS, STREAM_FORMATS
 from grpc_async.server import ServerThread
 
 TOKEN = "http-s3cret"
@@ -223,6 +226,91 @@ def test_every_response_format_decodes(client, reference_pcm, fmt, request):
     n = len(samples) * RATE / rate
     assert abs(n - len(reference_pcm)) <= CHUNK_SLACK, (fmt, n, len(reference_pcm))
     assert np.abs(samples).max() > 1e-3  # not silence
+
+
+# ---- every output format round-trips: read back as a user would, and accepted back as prompt audio
+
+LIBSNDFILE_READS = ("wav", "flac", "opus", "mp3")  # libsndfile 1.2.2 has no AAC and no WebM
+CODEC_SLACK = {"mp3": 3 * 1152, "aac": 3 * 1024}   # encoder priming (no end trim in these streams)
+
+
+def read_like_a_user(data: bytes, fmt: str, rate: int = RATE) -> tuple[np.ndarray, int]:
+    """python-soundfile (libsndfile) where it knows the format, numpy for raw PCM, PyAV otherwise."""
+    if fmt in LIBSNDFILE_READS:
+        return sf.read(io.BytesIO(data), dtype="float32")
+    if fmt in ("pcm", "pcm16", "f32", "float32"):
+        return (np.frombuffer(data, "<i2").astype(np.float32) / 32768 if fmt in ("pcm", "pcm16")
+                else np.frombuffer(data, "<f4")), rate
+    return decode(data, fmt)
+
+
+def check_length(fmt: str, got: int, want: int) -> None:
+    assert want <= got <= want + CODEC_SLACK.get(fmt, 0), (fmt, got, want)
+
+
+def raw_pcm(data: bytes, fmt: str, rate: int = RATE) -> pb2.AudioData:
+    encoding = pb2.PCM_ENCODING_S16LE if fmt in ("pcm", "pcm16") else pb2.PCM_ENCODING_F32LE
+    return pb2.AudioData(pcm=pb2.RawPcm(data=data, encoding=encoding, sample_rate=rate, channels=1))
+
+
+def register_back(server, http, speaker_id: str, data: bytes, fmt: str) -> None:
+    """The server's own output as a new voice's prompt: files over HTTP, raw PCM over gRPC."""
+    if fmt in ("pcm", "pcm16", "f32", "float32"):
+        async def body():
+            async with CosyVoiceClient(server.target, token=TOKEN) as c:
+                await c.register_speaker(speaker_id, PROMPT_TEXT, raw_pcm(data, fmt))
+        asyncio.run(body())
+    else:
+        r = http.post("/v1/audio/voices", data={"id": speaker_id, "transcript": PROMPT_TEXT},
+                      files={"audio": (f"prompt.{fmt}", data)})
+        assert r.status_code == 201, r.text
+    assert http.delete(f"/v1/audio/voices/{speaker_id}").status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", OPENAI_FORMATS)
+def test_every_format_round_trips_through_http(server, http, reference_pcm, fmt):
+    r = http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": TEXT,
+                                            "response_format": fmt, "seed": 7})
+    assert r.status_code == 200, r.text
+    samples, rate = read_like_a_user(r.content, fmt)
+    assert rate == RATE
+    check_length(fmt, len(samples), len(reference_pcm))
+    register_back(server, http, f"rt_http_{fmt}", r.content, fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", STREAM_FORMATS)
+def test_every_format_round_trips_through_the_websocket(server, http, fmt):
+    messages = [{"type": "config", "voice": "alloy", "format": fmt, "options": {"seed": 7}},
+                {"type": "text", "text": TEXT}, {"type": "end"}]
+    received, code = asyncio.run(ws_session(server.ws, messages))
+    assert code == 1000, received[-1]
+    data = check_audio_messages(received)
+    samples, rate = read_like_a_user(data, fmt)
+    assert rate == (48000 if fmt == "webm" else RATE)  # FFmpeg decodes Opus at 48 kHz
+    check_length(fmt, round(len(samples) * RATE / rate), round(received[-1]["audio_seconds"] * RATE))
+    register_back(server, http, f"rt_ws_{fmt}", data, fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+@pytest.mark.parametrize("encoding", list(ENCODINGS))
+def test_every_format_round_trips_through_grpc(server, http, encoding, stream):
+    rate = 16000 if encoding != "webm" else 48000
+
+    async def body():
+        async with CosyVoiceClient(server.target, token=TOKEN) as c:
+            return [ch async for ch in c.synthesize(TEXT, speaker_id="tiny_zs_spk", seed=7, stream=stream,
+                                                    encoding=encoding, sample_rate=rate)]
+    chunks = asyncio.run(body())
+    data = b"".join(ch.audio for ch in chunks)
+    samples, got_rate = read_like_a_user(data, encoding, rate)
+    assert got_rate == rate
+    check_length(encoding, len(samples), sum(ch.num_samples for ch in chunks))
+    register_back(server, http, f"rt_grpc_{encoding}", data, encoding)
 
 
 def test_sse_events(http, reference_pcm):
@@ -552,12 +640,130 @@ def test_web_page_speaks_in_chromium(server, browser, tmp_path, golden_dir):
     page.set_input_files("#new-audio", str(golden_dir / "prompt_16k.wav"))
     page.fill("#new-transcript", PROMPT_TEXT)
     page.click("#register")
-    page.wait_for_function("document.getElementById('status').textContent === 'Registered page_voice.'",
+    page.wait_for_function("document.getElementById('register-status').textContent === 'Registered page_voice.'",
                            timeout=60_000)
     assert page.input_value("#voice") == "page_voice" and page.text_content("#error") == ""
     page.close()
     assert httpx.delete(server.base + "/v1/audio/voices/page_voice", headers=AUTH).status_code == 200
     wait_idle(server)
+
+
+def open_page(server, browser, **context):
+    page = browser.new_context(accept_downloads=True, **context).new_page()
+    page.console = []
+    page.bad_responses = []
+    page.on("console", lambda m: page.console.append(f"{m.type}: {m.text}"))
+    page.on("response", lambda r: r.status >= 400 and page.bad_responses.append((r.status, r.url)))
+    page.goto(server.base + "/")
+    page.fill("#token", TOKEN)
+    page.dispatch_event("#token", "change")
+    page.wait_for_selector("#voice option[value=tiny_zs_spk]", state="attached", timeout=30_000)
+    return page
+
+
+def speak_on_page(page, voice: str, fmt: str) -> float:
+    """Speak TEXT in `fmt`; the seconds of audio the page reports."""
+    page.select_option("#voice", voice)
+    page.select_option("#format", fmt)
+    page.fill("#text", TEXT)
+    page.fill("#instructions", "")
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('status').textContent.startsWith('Done')", timeout=120_000)
+    assert page.text_content("#error") == "", page.console
+    return float(page.text_content("#audio-seconds").split()[0])
+
+
+def test_web_page_favicon_and_formats_from_the_server(server, browser):
+    page = open_page(server, browser)
+    icon = page.evaluate("""async () => {
+        const r = await fetch(document.querySelector("link[rel=icon]").href);
+        return [r.status, r.headers.get("content-type")];
+    }""")
+    assert icon == [200, "image/svg+xml"]
+    assert httpx.get(server.base + "/favicon.ico").status_code == 200  # without a token, as browsers ask
+    offered = [f["id"] for f in httpx.get(server.base + "/v1/audio/formats", headers=AUTH).json()["data"]
+               if f["speech"]]
+    assert offered == list(OPENAI_FORMATS)
+    assert page.eval_on_selector_all("#format option", "os => os.map(o => o.value)") == offered
+    assert page.input_value("#format") == "pcm"
+    # the only failed requests: the voices/formats/models asked before the token was typed (401)
+    assert all(status == 401 for status, _ in page.bad_responses), page.bad_responses
+    assert not [m for m in page.console if "404" in m], page.console
+    page.close()
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "mp3"])
+def test_web_page_plays_with_a_level_view_and_downloads(server, browser, tmp_path, fmt):
+    page = open_page(server, browser)
+    assert not page.is_visible("#download")  # nothing spoken yet
+    seconds = speak_on_page(page, "tiny_zs_spk", fmt)
+    assert seconds > 0.5
+    # the level view drew frames while the audio played, and saw sound
+    page.wait_for_function("Number(document.getElementById('wave').dataset.peak || 0) > 0.001", timeout=30_000)
+    assert int(page.get_attribute("#wave", "data-frames")) > 3
+    inked = page.evaluate("""() => {
+        const c = document.getElementById('wave');
+        const px = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 3; i < px.length; i += 4) n += px[i] > 0; return n;
+    }""")
+    assert inked > 100  # a waveform is drawn, not an empty canvas
+    # what was spoken can be downloaded, as a file a player (and libsndfile / FFmpeg) reads
+    assert page.is_visible("#download")
+    with page.expect_download() as info:
+        page.click("#download")
+    path = tmp_path / info.value.suggested_filename
+    info.value.save_as(path)
+    assert path.name == ("speech.wav" if fmt == "pcm" else "speech.mp3")
+    samples, rate = read_like_a_user(path.read_bytes(), "wav" if fmt == "pcm" else fmt)
+    assert rate == RATE
+    assert abs(len(samples) / rate - seconds) <= 0.01 + CODEC_SLACK.get(fmt, 0) / RATE, (len(samples), seconds)
+    page.close()
+    wait_idle(server)
+
+
+def test_web_page_register_errors_stay_with_their_form_and_overwrite(server, browser, golden_dir):
+    page = open_page(server, browser)
+    page.fill("#new-id", "tiny_zs_spk")  # exists already
+    page.set_input_files("#new-audio", str(golden_dir / "prompt_16k.wav"))
+    page.fill("#new-transcript", PROMPT_TEXT)
+    page.click("#register")
+    page.wait_for_function("document.getElementById('register-error').textContent.length > 0", timeout=60_000)
+    assert "409 voice_exists" in page.text_content("#register-error")
+    assert "Overwrite" in page.text_content("#register-error")  # says how to replace it
+    assert page.text_content("#error") == "" and page.text_content("#server-error") == ""
+    # a Speak error stays in the Speak form
+    page.select_option("#voice", "tiny_sft_spk")
+    page.fill("#instructions", "Whisper.")
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('error').textContent.length > 0", timeout=30_000)
+    assert "cannot follow instructions" in page.text_content("#error")
+    assert "cannot follow" not in page.text_content("#register-error")
+    # with the overwrite box ticked the same registration replaces the voice
+    page.fill("#new-id", "page_overwrite")
+    page.click("#register")
+    page.wait_for_function("document.getElementById('register-status').textContent === 'Registered page_overwrite.'",
+                           timeout=60_000)
+    page.click("#register")
+    page.wait_for_function("document.getElementById('register-error').textContent.includes('409')", timeout=60_000)
+    page.check("#new-overwrite")
+    page.click("#register")
+    page.wait_for_function("document.getElementById('register-error').textContent === '' && "
+                           "document.getElementById('register-status').textContent === 'Registered page_overwrite.'",
+                           timeout=60_000)
+    page.close()
+    assert httpx.delete(server.base + "/v1/audio/voices/page_overwrite", headers=AUTH).status_code == 200
+    wait_idle(server)
+
+
+def test_web_page_phone_layout_keeps_fields_wide(server, browser):
+    page = open_page(server, browser, viewport={"width": 390, "height": 844}, device_scale_factor=3,
+                     is_mobile=True, has_touch=True)
+    form = page.locator("#register-form").bounding_box()
+    for field in ("#new-id", "#new-audio", "#voice", "#format", "#text"):
+        box = page.locator(field).bounding_box()
+        assert box["width"] >= 0.85 * form["width"], (field, box, form)  # one field per line
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing runs off the screen
+    page.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 Tests taking `open_store` run against both backends (the folder and a real redis-server)."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -14,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
+from safetensors.numpy import save as st_save
 
 from async_cosyvoice.config import SpeakerConfig
 from async_cosyvoice.errors import InvalidRequest, SpeakerCorrupt, SpeakerExists, SpeakerNotFound
 from async_cosyvoice.request import Voice
 from async_cosyvoice.speaker_store import open_speaker_store
-from async_cosyvoice.speakers import (MAX_ID_LENGTH, SpeakerRecord, SpeakerStore, speaker_file_name,
+from async_cosyvoice.speakers import (MAX_ID_LENGTH, SpeakerRecord, SpeakerStore, VoiceFit, speaker_file_name,
                                       validate_speaker_id)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -394,3 +397,82 @@ def test_import_rejects_invalid_ids(open_store, tmp_path):
         store.import_spk2info(bad)
     assert store.ids() == []
     assert store.import_spk2info(bad, rename={"中文女": "zh_female"}) == ["zh_female"]
+
+
+# ---- records you can trust: a checksum, old records, a fit to the model (issue 26 item 5) --------
+
+def _raw(store, speaker_id: str) -> bytes:
+    if isinstance(store, SpeakerStore):
+        return (store.dir / speaker_file_name(speaker_id)).read_bytes()
+    return redis.Redis.from_url(store.url).get(store._record_key(speaker_id))
+
+
+def _write_raw(store, speaker_id: str, data: bytes) -> None:
+    if isinstance(store, SpeakerStore):
+        (store.dir / speaker_file_name(speaker_id)).write_bytes(data)
+    else:
+        redis.Redis.from_url(store.url).set(store._record_key(speaker_id), data)
+
+
+def test_a_flipped_byte_in_array_data_is_data_loss(open_store):
+    store = open_store()
+    store.put(make_record("flipped", n_tokens=40))
+    store.put(make_record("intact", n_tokens=40))
+    data = bytearray(_raw(store, "flipped"))
+    data_start = 8 + int.from_bytes(data[:8], "little")
+    data[data_start + (len(data) - data_start) // 2] ^= 0x10  # inside speech_feat: still a valid file
+    _write_raw(store, "flipped", bytes(data))
+    fresh = open_store()
+    with pytest.raises(SpeakerCorrupt, match=r"speaker 'flipped': the stored record is unreadable .*registered again"):
+        fresh.get("flipped")
+    assert fresh.get("intact").same_data(make_record("intact", n_tokens=40))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        SpeakerRecord.from_bytes(bytes(data))
+
+
+def test_records_without_a_checksum_are_read_with_a_warning(open_store, caplog):
+    """Format 1 (before checksums) stays readable; overwriting it writes format 2."""
+    record = make_record("old_one", n_tokens=20)
+    meta = {"format": "async_cosyvoice.speaker", "version": "1", "speaker_id": "old_one", "kind": "zero_shot",
+            "prompt_text": record.prompt_text, "n_speech_tokens": "20", "created_at": repr(record.created_at)}
+    store = open_store()
+    store.put(make_record("old_one", n_tokens=5))  # the index entry (Redis); replaced below
+    _write_raw(store, "old_one", st_save(record._arrays(), metadata=meta))
+    fresh = open_store()
+    with caplog.at_level(logging.WARNING, logger="async_cosyvoice.speakers"):
+        assert fresh.get("old_one").same_data(record)
+        fresh.get("old_one")
+    warnings = [r for r in caplog.records if "has no checksum (format version 1)" in r.getMessage()]
+    assert len(warnings) == 1  # once per speaker, not per read
+    fresh.put(record, overwrite=True)
+    assert b'"version":"2"' in _raw(fresh, "old_one") and b"sha256:" in _raw(fresh, "old_one")
+
+
+def test_records_that_do_not_fit_the_model_are_data_loss(store_config, open_store):
+    fit = VoiceFit(speech_vocab=6561, mel_bins=80, embedding_dim=192)
+    store = open_speaker_store(store_config, fit=fit)
+    good = make_record("fits", n_tokens=30)
+    tokens = good.voice.speech_tokens.copy()
+    tokens[3] = 6561  # one past the vocabulary: an IndexError in the flow's embedding if it got there
+    high = SpeakerRecord("too_high", Voice(tokens, good.voice.speech_feat, good.voice.embedding, "hi",
+                                           good.voice.prompt_text_tokens))
+    tokens = tokens.copy()
+    tokens[3] = -1
+    negative = SpeakerRecord("negative", Voice(tokens, good.voice.speech_feat, good.voice.embedding, "hi",
+                                               good.voice.prompt_text_tokens))
+    wide = SpeakerRecord("wide_mel", Voice(good.voice.speech_tokens, np.zeros((60, 100), np.float32),
+                                           good.voice.embedding, "hi", good.voice.prompt_text_tokens))
+    for record in (good, high, negative, wide):
+        open_store().put(record)  # a store without a model accepts them (import, CLI)
+    assert store.get("fits").same_data(good)
+    with pytest.raises(SpeakerCorrupt, match=r"'too_high': the stored record does not fit this model \(1 speech "
+                                             r"token\(s\) outside the model's vocabulary 0\.\.6560, the first 6561 "
+                                             r"at position 3\) and must be registered again"):
+        store.get("too_high")
+    with pytest.raises(SpeakerCorrupt, match=r"the first -1 at position 3"):
+        store.get("negative")
+    with pytest.raises(SpeakerCorrupt, match="100 mel bins wide, the model's 80"):
+        store.get("wide_mel")
+    if isinstance(store, SpeakerStore):  # the start-up scan reports them too
+        bad = dict(store.unreadable_records())
+        assert set(bad) == {speaker_file_name(i) for i in ("too_high", "negative", "wide_mel")}

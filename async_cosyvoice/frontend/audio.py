@@ -22,6 +22,7 @@ import math
 import os
 from typing import BinaryIO, Union
 
+import av
 import numpy as np
 import soundfile as sf
 import torch
@@ -45,7 +46,12 @@ class AudioError(InvalidRequest):
 
 
 def load_audio(source: AudioSource) -> Audio:
-    """Decode a wav/flac/ogg/mp3/... file (path, bytes or binary file object) to mono float32."""
+    """Decode an audio file (path, bytes or binary file object) to mono float32.
+
+    libsndfile reads wav, flac, ogg (Vorbis/Opus), mp3 and its other formats; what it cannot open
+    (AAC, WebM, MP4, a FLAC whose header says "length unknown") is decoded by FFmpeg (PyAV), so
+    every format the server writes is accepted back as prompt audio.
+    """
     name = _describe(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
         if len(source) == 0:
@@ -54,16 +60,60 @@ def load_audio(source: AudioSource) -> Audio:
     elif isinstance(source, (str, os.PathLike)):
         if not os.path.isfile(source):
             raise AudioError(f"audio file not found: {os.fspath(source)}")
+    start = None if isinstance(source, (str, os.PathLike)) else source.tell()
     try:
-        data, sample_rate = sf.read(source, dtype="float32", always_2d=True)
+        data, sample_rate = _read_libsndfile(source)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
         # LibsndfileError's str() names the Python file object ("<_io.BytesIO object at 0x..>")
         reason = getattr(e, "error_string", None) or str(e)
-        raise AudioError(f"cannot decode {name} as audio (supported containers: wav, flac, ogg, "
-                         f"mp3 and the other libsndfile formats): {reason}") from None
+        if start is not None:
+            source.seek(start)
+        try:
+            data, sample_rate = _read_ffmpeg(source)
+        except (av.error.FFmpegError, ValueError, IndexError):
+            raise AudioError(f"cannot decode {name} as audio (supported: wav, flac, ogg, mp3, aac, webm and "
+                             f"the other libsndfile and FFmpeg formats): {reason}") from None
     if data.shape[0] == 0:
         raise AudioError(f"{name} contains no samples")
     return Audio(_to_mono(data), int(sample_rate))
+
+
+def _read_libsndfile(source) -> tuple[np.ndarray, int]:
+    with sf.SoundFile(source) as f:
+        if f.frames >= _SF_COUNT_MAX:  # length unknown: libsndfile 1.2 cannot read such a file
+            raise ValueError(f"{f.format} header gives no length")
+        return f.read(dtype="float32", always_2d=True), f.samplerate
+
+
+# Demuxers FFmpeg may use on an upload: audio files only, never a playlist or a concat list that
+# names other files or URLs.
+_FFMPEG_DEMUXERS = "aac,mov,mp4,m4a,matroska,webm,ogg,mp3,flac,wav"
+
+
+def _read_ffmpeg(source) -> tuple[np.ndarray, int]:
+    """(frames, channels) float32 and the rate of the first audio stream, decoded by PyAV."""
+    with av.open(source, options={"format_whitelist": _FFMPEG_DEMUXERS}) as container:
+        stream = container.streams.audio[0]
+        planes = [frame.to_ndarray().astype(np.float32, copy=False).reshape(frame.layout.nb_channels, -1)
+                  for frame in _planar_float(container.decode(stream))]
+        rate = stream.codec_context.sample_rate
+    if not planes:
+        return np.zeros((0, 1), np.float32), rate
+    return np.concatenate(planes, axis=1).T, rate
+
+
+def _planar_float(frames):
+    """The decoded frames converted to planar float32 (fltp), one array row per channel."""
+    resampler = None
+    for frame in frames:
+        if resampler is None:
+            resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=frame.sample_rate)
+        yield from resampler.resample(frame)
+    if resampler is not None:
+        yield from resampler.resample(None)
+
+
+_SF_COUNT_MAX = 2 ** 63 - 1
 
 
 PCM_ENCODINGS = {

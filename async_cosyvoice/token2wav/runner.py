@@ -322,7 +322,7 @@ class Token2WavRunner:
         Returns the tokens of state the slot holds."""
         prefix = self._speaker_slot(s)
         if prefix is not None:
-            self.state_pool.copy_slot(prefix[0], slot)
+            self.state_pool.copy_slot(prefix[0], slot, prefix[1])
             return prefix[1]
         self.state_pool.load_prompt(slot, s.prompt_feat, s.embedding)
         return 0

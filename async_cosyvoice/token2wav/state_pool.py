@@ -2,9 +2,10 @@
 idea), so a cached flow call is a function of integers and one CUDA graph per (streams, new
 tokens) bucket serves every stream, whatever its speaker, prompt length or position.
 
-Memory is one tensor (slots, slot_numel) in the flow's dtype; each state entry (a causal conv's
-left context, an attention layer's keys or values, for the encoder and every CFM step: the order
-`Flow.state_layout` records) is a view of it indexed by slot. A slot holds a sequence of up to
+Memory is one tensor in the flow's dtype; each state entry (a causal conv's left context, an
+attention layer's keys or values, for the encoder and every CFM step: the order
+`Flow.state_layout` records) is a contiguous (rows, slots, …) block of it, so a batch's state is
+read with one block copy per entry (`SlotCursor`). A slot holds a sequence of up to
 `slot_tokens` prompt + target tokens, plus the prompt's mel, length and speaker embedding that a
 call reads as its inputs, and the mel the flow has output so far. Slot 0 is scratch: padding items of a graph write there.
 
@@ -73,12 +74,12 @@ class StatePool:
         n_slots = 1 + slots + speaker_slots
         shapes = [self._entry_shape(e) for e in self.layout]
         self.slot_numel = sum(math.prod(s) for s in shapes)
-        self.buffer = torch.zeros(n_slots, self.slot_numel, dtype=self.dtype, device=self.device)
+        self.buffer = torch.zeros(n_slots * self.slot_numel, dtype=self.dtype, device=self.device)
         self.entries: list[Tensor] = []
         offset = 0
-        for shape in shapes:
-            n = math.prod(shape)
-            self.entries.append(self.buffer[:, offset:offset + n].view(n_slots, *shape))
+        for rows, *rest in shapes:
+            n = n_slots * rows * math.prod(rest)
+            self.entries.append(self.buffer[offset:offset + n].view(rows, n_slots, *rest))
             offset += n
         frames = dims.token_mel_ratio * slot_tokens
         self.prompt_feat = torch.zeros(n_slots, frames, dims.output_size, dtype=self.dtype, device=self.device)
@@ -151,9 +152,13 @@ class StatePool:
         self.prompt_len[slot] = n
         self.embedding[slot] = embedding.reshape(-1).to(self.device, torch.float32)
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        """dst holds what src holds (a speaker's prefix starting a stream): one copy per tensor."""
-        for t in (self.buffer, self.prompt_feat, self.prompt_len, self.embedding, self.mel):
+    def copy_slot(self, src: int, dst: int, tokens: int) -> None:
+        """dst holds src's state of its first `tokens` tokens (a speaker's prefix starting a stream)."""
+        def part(e: Tensor, shape: EntryShape, slot: int) -> Tensor:
+            return e[:, slot] if shape.kind == "conv" else e[:, slot, :shape.scale * tokens]
+        torch._foreach_copy_([part(e, shape, dst) for e, shape in zip(self.entries, self.layout)],
+                             [part(e, shape, src) for e, shape in zip(self.entries, self.layout)])
+        for t in (self.prompt_feat, self.prompt_len, self.embedding, self.mel):
             t[dst].copy_(t[src])
 
     # -- speaker slots (LRU)

@@ -14,6 +14,7 @@ from .progress import Progress
 from .open_loop import CapacityCriteria, format_capacity, format_open_loop
 from async_cosyvoice.files import write_json
 
+from ..options import DEFAULT_WAIT_SECONDS
 from .report import format_t2w, format_table
 from .session import OpenLoopPlan, bench_grpc, bench_in_process
 from .workload import DEFAULT_PROMPT_TEXT, DEFAULT_SPEAKER, DEFAULT_TEXT, SpeakerSpec, Workload, requests_per_level
@@ -42,6 +43,9 @@ def add_arguments(p) -> None:
                         "then reports the server's stage busy counters")
     p.add_argument("--token", default=os.environ.get("ASYNC_COSYVOICE_TOKEN"),
                    help="bearer token for --target (env ASYNC_COSYVOICE_TOKEN)")
+    p.add_argument("--wait", type=float, default=DEFAULT_WAIT_SECONDS, metavar="SECONDS",
+                   help=f"with --target: wait up to this long for the server to report SERVING (default "
+                        f"{DEFAULT_WAIT_SECONDS:g})")
     p.add_argument("--concurrency", help="closed-loop levels, e.g. 1,2,4,8,16,32,64 (default 1,2,4,8; none with "
                                         "--open-loop / --capacity unless given)")
     p.add_argument("--requests", default="8",
@@ -124,7 +128,7 @@ def main(args, config_factory: Callable[[object], "Config"]) -> int:
                                                        **common))
         else:
             results = asyncio.run(bench_grpc(args.target, workload, levels, requests, token=args.token,
-                                             metrics_url=args.metrics, **common))
+                                             metrics_url=args.metrics, wait_s=args.wait, **common))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from ..options import DEFAULT_WAIT_SECONDS
 from .open_loop import CapacityCriteria, capacity_search, run_open_loop
 from .progress import Progress
 from .report import environment
@@ -86,14 +87,15 @@ async def bench_grpc(target_addr: str, workload: Workload, levels: Sequence[int]
                      speaker: SpeakerSpec = SpeakerSpec(), warmup: bool = True,
                      max_level_seconds: float | None = None, progress: Progress | None = None,
                      detail: bool = True, metrics_url: str | None = None,
-                     open_loop: OpenLoopPlan | None = None) -> dict:
-    """The sweep (closed and/or open loop) against a server; with `metrics_url` (its Prometheus
-    endpoint) each level also reports the server's stage busy counters."""
+                     open_loop: OpenLoopPlan | None = None, wait_s: float = DEFAULT_WAIT_SECONDS) -> dict:
+    """The sweep (closed and/or open loop) against a server (once it reports SERVING, within
+    `wait_s` seconds); with `metrics_url` (its Prometheus endpoint) each level also reports the
+    server's stage busy counters."""
     from grpc_async.client import CosyVoiceClient
 
     progress = progress or Progress(enabled=False)
     async with CosyVoiceClient(target_addr, token=token) as client:
-        await client.wait_ready()
+        await client.wait_ready(timeout=wait_s)
         prompt_seconds = await register_grpc(client, speaker)
         workload = dataclasses.replace(workload, speaker_id=speaker.speaker_id)
         target = GrpcTarget(client)

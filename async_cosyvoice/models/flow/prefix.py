@@ -206,23 +206,26 @@ class SlotGeometry:
         allowed = (j < self.end.view(-1, 1, 1)) & ((j < chunk_end) | ~self.valid().unsqueeze(2))
         return allowed | (j == 0)
 
-    def rows(self, R: int) -> tuple[Tensor, Tensor]:
-        """(slot, row) of each of the R·B rows of a (rows·B, …) batch, for indexing a slot tensor."""
-        key = ("rows", R)
+    def rows(self, R: int, S: int) -> tuple[Tensor, Tensor, Tensor]:
+        """For the R·B rows of a (rows·B, …) batch: each row's (row, slot) and its index into a
+        slot tensor (R, S, …) viewed as (R·S, …)."""
+        key = ("rows", R, S)
         if key not in self.index_cache:
-            self.index_cache[key] = (self.slots.repeat(R),
-                                     torch.arange(R, device=self.device).repeat_interleave(self.B))
+            row = torch.arange(R, device=self.device).repeat_interleave(self.B)
+            slot = self.slots.repeat(R)
+            self.index_cache[key] = (row, slot, row * S + slot)
         return self.index_cache[key]
 
 
 class SlotCursor:
     """A cached call's walk through state slots, in module order (the same order as `Cursor`).
 
-    Each entry is one tensor indexed by slot: a causal conv's left context (S, rows, C, context);
-    an attention layer's keys and values, two entries (S, rows, K, heads, d). A conv reads its
-    items' context before start (zeros where start is 0) and writes the context before keep; an
-    attention layer writes the new keys and values at their positions, then attends over the
-    slot's first K positions (the mask hides those at or past end). Only tensor ops: capturable.
+    Each entry is one contiguous tensor: a causal conv's left context (rows, S, C, context); an
+    attention layer's keys and values, two entries (rows, S, K, heads, d). Rows first, so each
+    (row, slot)'s state is one contiguous block and reading a batch's is a block copy. A conv reads
+    its items' context before start (zeros where start is 0) and writes the context before keep;
+    an attention layer writes the new keys and values at their positions, then attends over the
+    slot's K positions (the mask hides those at or past end). Only tensor ops: capturable.
     """
 
     def __init__(self, entries: Sequence[Tensor]):
@@ -235,24 +238,25 @@ class SlotCursor:
 
     def conv(self, x: Tensor, context: int, g: SlotGeometry) -> Tensor:
         state = self._take()
-        R = x.shape[0] // g.B
-        slot, row = g.rows(R)
+        R, S = state.shape[0], state.shape[1]
+        _, _, flat = g.rows(R, S)
+        state = state.view(R * S, *state.shape[2:])
         fresh = (g.start == 0).repeat(R).view(-1, 1, 1)
-        ctx = torch.where(fresh, torch.zeros((), dtype=x.dtype, device=x.device), state[slot, row])
+        ctx = torch.where(fresh, torch.zeros((), dtype=x.dtype, device=x.device), state.index_select(0, flat))
         xc = torch.cat([ctx, x], dim=2)
         first = (g.keep - g.start).repeat(R).view(-1, 1, 1) + torch.arange(context, device=x.device)
-        state[slot, row] = xc.gather(2, first.expand(-1, xc.shape[1], -1))
+        state.index_copy_(0, flat, xc.gather(2, first.expand(-1, xc.shape[1], -1)))
         return xc
 
     def attention(self, k: Tensor, v: Tensor, g: SlotGeometry) -> tuple[Tensor, Tensor]:
-        R, N = k.shape[0] // g.B, k.shape[2]
-        slot, row = g.rows(R)
         out = []
         for new in (k, v):
             state = self._take()
-            at = g.positions().clamp(max=state.shape[2] - 1).repeat(R, 1)  # padding past the end: the spare last position
-            state.index_put_((slot.view(-1, 1).expand(-1, N), row.view(-1, 1).expand(-1, N), at), new.transpose(1, 2))
-            out.append(state[slot, row].transpose(1, 2))
+            R, S, K, N = state.shape[0], state.shape[1], state.shape[2], new.shape[2]
+            row, slot, flat = g.rows(R, S)
+            at = g.positions().clamp(max=K - 1).repeat(R, 1)  # padding past the end: the spare last position
+            state.index_put_((row.view(-1, 1).expand(-1, N), slot.view(-1, 1).expand(-1, N), at), new.transpose(1, 2))
+            out.append(state.view(R * S, *state.shape[2:]).index_select(0, flat).transpose(1, 2))
         return out[0], out[1]
 
 

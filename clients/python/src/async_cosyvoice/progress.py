@@ -1,0 +1,1 @@
+../../../../async_cosyvoice/progress.py

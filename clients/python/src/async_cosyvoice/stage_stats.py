@@ -1,0 +1,1 @@
+../../../../async_cosyvoice/stage_stats.py

@@ -1,0 +1,1 @@
+../../../../cosyvoice_cli/speakers.py

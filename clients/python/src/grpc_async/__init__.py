@@ -1,0 +1,1 @@
+../../../../grpc_async/__init__.py

@@ -1,0 +1,1 @@
+../../../../grpc_async/client.py
