@@ -65,7 +65,7 @@ def prompt(tiny3_dir):
 
 @pytest.fixture(scope="module")
 def reference_models(tiny3_dir):
-    return build_models(load_model_dir(tiny3_dir))
+    return build_models(load_model_dir(tiny3_dir), with_llm=False)
 
 
 def _request(mode, prompt, stream, **kw) -> SynthesisRequest:
