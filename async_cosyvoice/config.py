@@ -26,16 +26,30 @@ class ModelConfig(_Section):
     device: str = "cpu"
     llm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     flow_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # several devices in one server (async_cosyvoice.placement); empty: just `device`
-    devices: list[str] = []
-    placement: Literal["replicas", "disaggregated"] = "replicas"
+    # several devices in one server (async_cosyvoice.placement); empty: just `device`; "all": every
+    # visible CUDA device. A device may repeat (two workers on one device; tests use [cpu, cpu]).
+    devices: list[str] | Literal["all"] = []
+    # workers: a process per device (LLM + token2wav each) behind the server's front process;
+    # disaggregated: the LLM on the first device, token2wav on the others; replicas: a Synthesizer
+    # per device in the server's process (one GIL: they do not add up)
+    placement: Literal["workers", "disaggregated", "replicas"] = "workers"
 
     @model_validator(mode="after")
     def _disaggregated_needs_two(self) -> "ModelConfig":
-        if self.placement == "disaggregated" and len(self.devices) < 2:
+        if self.placement == "disaggregated" and self.devices != "all" and len(self.devices) < 2:
             raise ValueError("model.placement disaggregated needs model.devices with at least two entries "
                              "(the LLM on the first, token2wav on the others)")
         return self
+
+
+class WorkersConfig(_Section):
+    """The device worker processes of `model.placement: workers` (async_cosyvoice/worker_pool.py)."""
+    start_timeout_s: float = Field(900.0, gt=0)   # loading + warm-up of one worker
+    restart_backoff_s: float = Field(1.0, gt=0)   # the first restart's delay; doubled after each failed start
+    restart_backoff_max_s: float = Field(60.0, gt=0)
+    # a worker that fails to start this many times in a row is given up (degraded for good; when every
+    # worker is given up the server goes NOT_SERVING and exits with code 3)
+    max_failed_starts: int = Field(5, ge=1)
 
 
 class EngineConfig(_Section):
@@ -200,6 +214,7 @@ class Config(_Section):
     limits: LimitsConfig = LimitsConfig()
     server: ServerConfig = ServerConfig()
     warmup: WarmupConfig = WarmupConfig()
+    workers: WorkersConfig = WorkersConfig()
 
     @classmethod
     def load(cls, path: str | Path | None = None, env: dict[str, str] | None = None) -> "Config":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 from .errors import InvalidRequest, SpeakerExists, SpeakerNotFound, Unsupported
 from .frontend.spk2info import Tokenize, load_spk2info
@@ -125,3 +126,21 @@ class ModelDirSpeakers(SpeakerStoreBase):
 
     def unreadable_records(self) -> list[tuple[str, str]]:
         return self.store.unreadable_records()
+
+    # reachability is the store's: the model directory's speakers are in memory (health follows Redis)
+
+    @property
+    def reachable(self) -> bool:
+        return self.store.reachable
+
+    def watch(self, listener: Callable[[bool], None]) -> None:
+        self.store.watch(listener)
+
+    def ping(self) -> None:
+        self.store.ping()
+
+    def persistence_problem(self) -> str | None:
+        return self.store.persistence_problem()
+
+    def close(self) -> None:
+        self.store.close()

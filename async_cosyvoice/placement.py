@@ -1,6 +1,10 @@
 """Several devices behind one synthesizer: `model.devices` with `model.placement`.
 
-    replicas        a whole Synthesizer per device; each request goes to the running replica
+    workers         (the default) a worker process per device, each with its own LLM engine and
+                    token2wav, behind the server's front process (worker_pool.py): one GIL per
+                    device, so the devices add up
+    replicas        a whole Synthesizer per device in this process (one GIL for all: they do
+                    not add up; kept for comparison); each request goes to the running replica
                     with the fewest active requests (`ReplicaRouter`, the Synthesizer's public
                     interface); a replica that stops ends its requests with NotReady (retry) and
                     takes no new ones, the others carry on
@@ -24,6 +28,7 @@ from typing import AsyncIterator, Iterator
 import torch
 
 from .config import Config
+from .devices import DeviceStats, devices_of, on_device
 from .engine.base import EngineStats, first_death
 from .errors import NotReady
 from .model_dir import ModelDir
@@ -33,33 +38,17 @@ from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav.batcher import Token2WavBatcher
 from .token2wav.process import token2wav_worker
 from .tts import Synthesizer
+from .worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class DeviceStats:
-    """One device's share of the work (`role`: replica, llm or token2wav)."""
-    device: str
-    role: str
-    active: int = 0          # requests (replica) or streams (token2wav worker) in progress
-    served: int = 0          # requests / streams assigned so far
-    engine: EngineStats | None = None  # replicas and the llm device: their engine's stats
-
-
-def devices_of(config: Config) -> list[str]:
-    return list(config.model.devices) or [config.model.device]
-
-
-def on_device(config: Config, device: str) -> Config:
-    """The config of one device's part (a single-device config)."""
-    return config.model_copy(update={"model": config.model.model_copy(update={"device": device, "devices": []})})
-
-
-async def create_synthesizer(config: Config, warmup: bool = True) -> "Synthesizer | ReplicaRouter":
+async def create_synthesizer(config: Config, warmup: bool = True) -> "Synthesizer | ReplicaRouter | WorkerPool":
     devices = devices_of(config)
     if len(devices) == 1:
         return await Synthesizer.create(on_device(config, devices[0]), warmup=warmup)
+    if config.model.placement == "workers":
+        return await WorkerPool.create(config, warmup=warmup)
     if config.model.placement == "replicas":
         return await ReplicaRouter.create(config, warmup=warmup)
     return await create_disaggregated(config, warmup=warmup)
@@ -289,10 +278,12 @@ async def create_disaggregated(config: Config, warmup: bool = True) -> Synthesiz
     return synth
 
 
-def device_stats(synth: "Synthesizer | ReplicaRouter") -> list[DeviceStats]:
+def device_stats(synth: "Synthesizer | ReplicaRouter | WorkerPool") -> list[DeviceStats]:
     """The load per device of whatever `create_synthesizer` made."""
-    if isinstance(synth, ReplicaRouter):
+    if isinstance(synth, (ReplicaRouter, WorkerPool)):
         return synth.device_stats()
+    if not isinstance(synth, Synthesizer):  # e.g. Ray Serve's ingress: its replicas report their own
+        return []
     engine = synth.engine_stats()
     if isinstance(synth.batcher, Token2WavPool):
         return [DeviceStats(synth.config.model.device, "llm", engine.running, engine=engine),

@@ -14,13 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Callable, Iterator, Literal
+from typing import AsyncIterable, AsyncIterator, Callable, Iterator
 
 import numpy as np
 import torch
@@ -43,31 +41,21 @@ from .errors import (
     SpeakerCorrupt,
     SpeakerNotFound,
     StoreUnavailable,
-    TextTimeout,
-    Unsupported,
 )
-from .frontend.model_input import MODE_SPECS, ModelInput, SystemPrompt, build_model_input, instruction_text
-from .frontend.prompt import PromptEncoder
-from .frontend.sentences import complete_sentences
-from .frontend.stream_text import StreamTextNormalizer
-from .frontend.text import TextFrontend
-from .frontend.tokenizer import TextTokenizer
+from .frontend.model_input import MODE_SPECS, ModelInput
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
-from .model_speakers import with_model_speakers
 from .models.dims import RASParams
 from .offline import segments_at_once
 from .request import (
-    FLUSH,
     Audio,
     AudioChunk,
     SynthesisOptions,
     SynthesisRequest,
     Voice,
 )
-from .rules import RequestRules
-from .speaker_store import open_speaker_store
-from .speakers import SpeakerRecord, SpeakerStoreBase, VoiceFit, validate_speaker_id
+from .request_front import RequestFront, TextMode, TextNormalization
+from .speakers import SpeakerRecord, SpeakerStoreBase
 from .stage_stats import StageStats, totals
 from .token2wav import ChunkSchedule
 from .token2wav.batcher import Token2WavBatcher
@@ -78,32 +66,6 @@ from .warmup import Warmup, compile_in_use, use_compile_cache
 
 log = logging.getLogger(__name__)
 
-TextMode = Literal["sentence", "bistream"]
-TextNormalization = Literal["safe", "raw"]
-MAX_STREAM_SENTENCE_CHARS = 200  # a streamed text without sentence ends is cut at about this length
-
-
-def default_text_mode(supports_bistream: bool) -> TextMode:
-    """What a text stream gets when it does not say: bistream where the engine can, else sentences."""
-    return "bistream" if supports_bistream else "sentence"
-
-
-async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float) -> AsyncIterator[str | object]:
-    """A text stream's pieces, checked (strings or FLUSH), ended by TextTimeout when none arrives
-    for `idle_seconds`."""
-    pieces = aiter(text)
-    while True:
-        try:
-            piece = await asyncio.wait_for(anext(pieces), idle_seconds)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise TextTimeout(f"no text arrived for {idle_seconds:g} s (limits.text_idle_seconds); "
-                              "send the end of the text when it is complete") from None
-        if piece is not FLUSH and not isinstance(piece, str):
-            raise InvalidRequest(f"text pieces must be strings or FLUSH, got {type(piece).__name__}")
-        yield piece
-
 
 @dataclass
 class TextFed:
@@ -112,34 +74,61 @@ class TextFed:
     ended: bool = False
 
 
+async def counted_text(tokens: AsyncIterator[list[int]], fed: TextFed) -> AsyncIterator[list[int]]:
+    """Bistream: the text's token ids passed on, counted in `fed` (ended once they are all there)."""
+    async for batch in tokens:
+        fed.n_tokens += len(batch)
+        yield batch
+    if fed.n_tokens == 0:
+        raise InvalidRequest("no text was received (or only whitespace)")
+    fed.ended = True
+
+
+async def read_ahead(items: AsyncIterator, queue: asyncio.Queue) -> None:
+    """Reader task: `items` onto the queue, then None (or the error)."""
+    try:
+        async for item in items:
+            queue.put_nowait(item)
+        queue.put_nowait(None)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: B036 - handed to the consumer
+        queue.put_nowait(e)
+
+
 class Synthesizer:
     """One instance per process and device. The text frontend and ONNX prompt work run in a CPU
     thread pool, the LM in the engine, flow + HiFT in the token2wav batcher's device thread; the
     event loop only routes. Closing a synthesis iterator (or cancelling its task) aborts the LM
     request and drops its pending chunk jobs."""
 
-    def __init__(self, *, config: Config, model_dir: ModelDir, models: Models, tokenizer: TextTokenizer,
-                 text_frontend: TextFrontend, prompt_encoder: PromptEncoder, speakers: SpeakerStoreBase,
+    def __init__(self, *, config: Config, model_dir: ModelDir, models: Models, front: RequestFront,
                  engine: SpeechTokenEngine, batcher: Token2WavBatcher):
         self.config = config
-        self.rules = RequestRules.from_config(config)
+        self.front = front
+        self.rules = front.rules
         self.model_dir = model_dir
         self.models = models
         self.dims = model_dir.dims
         self.sample_rate = self.dims.sample_rate
-        self.tokenizer = tokenizer
-        # CosyVoice3: `You are a helpful assistant.<|endofprompt|>` where a request's LM text lacks it
-        self.system_prompt = SystemPrompt.for_tokenizer(tokenizer.encode, self.dims.kind)
-        self.text_frontend = text_frontend
-        self.prompt_encoder = prompt_encoder
-        self.speakers = speakers
+        self.tokenizer = front.tokenizer
+        self.text_frontend = front.text_frontend
+        self.prompt_encoder = front.prompt_encoder
         self.engine = engine
         self.batcher = batcher
         self.ready = False
-        self._cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend")
-        self.warming = Warmup(config, speakers, self.sample_rate, max_tokens=min(40, self.rules.max_forced_tokens),
-                              capture=batcher.capture_graphs)
+        self.warming = Warmup(config, front.speakers, self.sample_rate,
+                              max_tokens=min(40, self.rules.max_forced_tokens), capture=batcher.capture_graphs)
         self._engine_serial = itertools.count()  # see _engine_request_id
+
+    @property
+    def speakers(self) -> SpeakerStoreBase:
+        return self.front.speakers
+
+    @speakers.setter
+    def speakers(self, store: SpeakerStoreBase) -> None:  # placement's replicas share one store
+        self.front.speakers = store
+        self.warming.speakers = store
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -166,24 +155,10 @@ class Synthesizer:
         # Flow and HiFT belong to the token2wav stage (token2wav_worker), loaded there.
         models = build_models(model_dir, device=device, llm_dtype=getattr(torch, config.model.llm_dtype),
                               with_llm=config.engine.kind == "native", with_token2wav=False)
-        tokenizer = model_dir.tokenizer()
-        try:
-            text_frontend = TextFrontend(tokenizer)
-        except ImportError as e:
-            log.warning("wetext is not importable (%s): text normalization runs without it "
-                        "(upstream's behaviour when no normalizer is installed)", e)
-            text_frontend = TextFrontend(tokenizer, use_wetext=False)
-        text_frontend.preload()
-        prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat,
-                                                      speech_tokenizer=model_dir.speech_tokenizer_onnx.name)
-        # beside the store, the model directory's spk2info.pt (speakers of the directory's kind)
-        speakers = with_model_speakers(open_speaker_store(config.speakers, fit=VoiceFit.of(model_dir.dims)),
-                                       model_dir.path, tokenizer.encode, model_kind=model_dir.kind)
+        front = RequestFront.load(config, model_dir)
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
-        return cls(config=config, model_dir=model_dir, models=models, tokenizer=tokenizer,
-                   text_frontend=text_frontend, prompt_encoder=prompt_encoder, speakers=speakers,
-                   engine=engine, batcher=batcher)
+        return cls(config=config, model_dir=model_dir, models=models, front=front, engine=engine, batcher=batcher)
 
     async def warmup(self, rounds: int = 1) -> None:
         """Before SERVING: every stage once, where shapes are captured every batch size for the
@@ -247,7 +222,7 @@ class Synthesizer:
         self.ready = False
         await self.engine.stop()
         await self.batcher.close()
-        self._cpu.shutdown(wait=False, cancel_futures=True)
+        self.front.close()
 
     def engine_stats(self) -> EngineStats:
         return self.engine.stats()
@@ -262,50 +237,19 @@ class Synthesizer:
         return self.engine.supports_bistream
 
     async def _in_cpu(self, fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args, **kwargs))
+        return await self.front.in_cpu(fn, *args, **kwargs)
 
     # -- voices -----------------------------------------------------------------------------------
 
     async def prepare_voice(self, request: SynthesisRequest) -> Voice:
-        """The request's voice, resolved once: its prompt audio encoded (with the normalised
-        transcript where the mode uses one) or a stored speaker. Every mode takes a prepared voice."""
-        spec = MODE_SPECS[request.mode]
-        if spec.voice == "speaker":
-            record = await self._in_cpu(self.speakers.get, request.speaker_id)
-            if record.model_kind != self.dims.kind:
-                raise Unsupported(
-                    f"speaker {request.speaker_id!r} was registered with a {record.model_kind} model and this "
-                    f"server runs {self.dims.kind}: its speech tokens and prompt mel belong to the other model; "
-                    "register the speaker again on this server (under another id, or with overwrite)")
-            voice = record.voice
-            if spec.flow_prompt and voice.kind == "sft":
-                raise Unsupported(f"speaker {request.speaker_id!r} is an embedding-only (sft) speaker; "
-                                  f"mode {request.mode.value} needs a zero-shot speaker: use mode sft for it")
-            return voice if spec.flow_prompt else Voice.embedding_only(voice.embedding)
-        # VC too gets the aligned prompt (upstream's frontend_vc skips the alignment, which makes
-        # the flow's output length depend on the prompt's mel/token mismatch)
-        if spec.lm_prompt_text == "transcript":
-            return await self._in_cpu(self._encode_voice, request.prompt_audio, request.prompt_text,
-                                      request.options.text_frontend)
-        return await self._in_cpu(self.prompt_encoder.encode, request.prompt_audio)
-
-    def _encode_voice(self, audio: Audio, transcript: str, text_frontend: bool = True) -> Voice:
-        """CPU pool: prompt audio + its transcript -> a zero-shot voice."""
-        text = self.text_frontend.normalize(transcript, split=False, enabled=text_frontend)
-        return self.prompt_encoder.encode(audio).with_transcript(text, self.tokenizer.encode(text))
+        """The request's voice, resolved once (RequestFront.prepare_voice)."""
+        return await self.front.prepare_voice(request)
 
     async def register_speaker(self, speaker_id: str, prompt_text: str, audio: Audio,
                                overwrite: bool = False) -> SpeakerRecord:
-        """Compute and store a zero-shot speaker (tokens, 24 kHz mel, embedding, transcript tokens),
-        then `prepare_speaker`: it returns once the speaker's first request would pay for nothing
-        that can be done ahead."""
-        validate_speaker_id(speaker_id)
-        self.rules.check_text(prompt_text, "prompt_text")
-        self.rules.check_prompt(audio, "prompt_audio")
-        await self._in_cpu(self.speakers.check_put, speaker_id, overwrite)
-        record = SpeakerRecord(speaker_id, await self._in_cpu(self._encode_voice, audio, prompt_text),
-                               model_kind=self.dims.kind)
-        await self._in_cpu(self.speakers.put, record, overwrite)
+        """Compute and store a zero-shot speaker (RequestFront.new_speaker), then `prepare_speaker`:
+        it returns once the speaker's first request would pay for nothing that can be done ahead."""
+        record = await self.front.new_speaker(speaker_id, prompt_text, audio, overwrite)
         try:
             await self.prepare_speaker(record)
         except Exception as e:  # noqa: BLE001 — stored and usable: its first request does what this could not
@@ -341,6 +285,13 @@ class Synthesizer:
         """Chunks of every text segment in order; the last one has is_final set."""
         request = self.rules.check(request)
         inputs = await self.model_inputs(request, voice or await self.prepare_voice(request))
+        async with contextlib.aclosing(self.speak(request, inputs)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def speak(self, request: SynthesisRequest, inputs: list[ModelInput]) -> AsyncIterator[AudioChunk]:
+        """A checked request's model inputs (`model_inputs`) -> its chunks: the devices' part of
+        `synthesize`, which a device worker process runs for the server's front (worker_pool.py)."""
         playback = Playback(time.monotonic(), self.sample_rate)
         t2w = self.config.token2wav
         if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
@@ -358,15 +309,7 @@ class Synthesizer:
 
     async def model_inputs(self, request: SynthesisRequest, voice: Voice) -> list[ModelInput]:
         """What the LM and the flow receive for each text segment of a checked request."""
-        if not MODE_SPECS[request.mode].runs_lm:
-            source = await self._in_cpu(self.prompt_encoder.source_tokens, request.source_audio)
-            return [build_model_input(request.mode, voice, source_speech_tokens=source)]
-        segments = await self._in_cpu(self._text_segments, request.text, request.options.text_frontend)
-        if not segments:
-            raise InvalidRequest("text has nothing to speak after normalization (only punctuation?)")
-        instruction = await self._in_cpu(self._instruction_tokens, request)
-        return [build_model_input(request.mode, voice, text_tokens=t, instruction_tokens=instruction,
-                                  system_prompt=self.system_prompt) for t in segments]
+        return await self.front.model_inputs(request, voice)
 
     async def synthesize_stream(self, text: AsyncIterable[str | object], request: SynthesisRequest, *,
                                 text_mode: TextMode | None = None,
@@ -380,90 +323,56 @@ class Synthesizer:
         the text is normalized like a whole text, released up to the last safe boundary
         (frontend/stream_text.py: one word late in English, a clause in Chinese; `FLUSH` releases
         what is held); "raw": each piece tokenized on its own without normalization, exactly as
-        upstream, for token-for-token parity. Upstream's bistream loop has no length rule, so a
-        model that never emits EOS would speak to max_model_len: `_length_rule` applies
-        upstream's max_token_text_ratio once the text has ended.
+        upstream, for token-for-token parity (RequestFront.stream_tokens). Upstream's bistream loop
+        has no length rule, so a model that never emits EOS would speak to max_model_len:
+        `_length_rule` applies upstream's max_token_text_ratio once the text has ended.
         "sentence" (the default otherwise): each sentence is normalized and synthesized as soon as
         it is complete (`FLUSH` cuts what is buffered), with upstream's length rules.
         Either way the stream ends with a final chunk, which carries no audio when the end of the
         text was known only after the last audio. A pause of more than `limits.text_idle_seconds`
         between pieces raises TextTimeout."""
         request = self.rules.check(request, streamed_text=True)
-        mode = text_mode or default_text_mode(self.supports_bistream)
-        if mode not in ("sentence", "bistream"):
-            raise InvalidRequest(f"text_mode must be 'sentence' or 'bistream', got {text_mode!r}")
-        if mode == "bistream" and not self.supports_bistream:
-            raise Unsupported(f"the {self.config.engine.kind} engine cannot extend a running LM request "
-                              "with text; use text_mode 'sentence'")
-        normalization = text_normalization or "safe"
-        if normalization not in ("safe", "raw"):
-            raise InvalidRequest(f"text_normalization must be 'safe' or 'raw', got {text_normalization!r}")
-        if normalization == "raw" and mode == "sentence":
-            raise InvalidRequest("text_normalization 'raw' feeds bistream pieces as upstream does; sentence mode "
-                                 "normalizes whole sentences (options.text_frontend=false skips that)")
+        mode, normalization = self.front.stream_modes(text_mode, text_normalization, self.supports_bistream)
         voice = await self.prepare_voice(request)
-        instruction = await self._in_cpu(self._instruction_tokens, request)
-        pieces = checked_pieces(text, self.config.limits.text_idle_seconds)
+        instruction = await self._in_cpu(self.front.instruction_tokens, request)
+        tokens = self.front.stream_tokens(text, request, mode, normalization)
+        async with contextlib.aclosing(self.speak_stream(request, voice, instruction, mode, tokens)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def speak_stream(self, request: SynthesisRequest, voice: Voice, instruction: list[int], mode: TextMode,
+                           text_tokens: AsyncIterator[list[int]]) -> AsyncIterator[AudioChunk]:
+        """A text stream's token ids (`RequestFront.stream_tokens`) -> its chunks: the devices' part
+        of `synthesize_stream`, which a device worker process runs for the server's front
+        (worker_pool.py). bistream: one LM request fed the token ids as they arrive; sentence: an
+        utterance per list (a text segment), read ahead while the earlier ones speak."""
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
-            model_input = build_model_input(request.mode, voice, instruction_tokens=instruction,
-                                            system_prompt=self.system_prompt)
+            model_input = self.front.model_input(request.mode, voice, instruction_tokens=instruction)
             fed = TextFed()
-            normalizer = (StreamTextNormalizer(self.text_frontend, enabled=request.options.text_frontend)
-                          if normalization == "safe" else None)
             utterance = self._utterance(request, model_input, 0, playback, last=True,
-                                        text_tokens=self._piece_tokens(pieces, fed, normalizer), fed=fed)
+                                        text_tokens=counted_text(text_tokens, fed), fed=fed)
             async for chunk in utterance.run():
                 yield chunk
             return
-        sentences: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(self._read_sentences(pieces, sentences))
+        segments: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(read_ahead(text_tokens, segments))
         try:
             n = 0
-            while (item := await sentences.get()) is not None:
+            while (item := await segments.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                segments = await self._in_cpu(self._text_segments, item, request.options.text_frontend)
-                for tokens in segments:
-                    model_input = build_model_input(request.mode, voice, text_tokens=tokens,
-                                                    instruction_tokens=instruction, system_prompt=self.system_prompt)
-                    async for chunk in self._utterance(request, model_input, n, playback, last=False).run():
-                        yield chunk
-                    n += 1
+                model_input = self.front.model_input(request.mode, voice, text_tokens=item,
+                                                     instruction_tokens=instruction)
+                async for chunk in self._utterance(request, model_input, n, playback, last=False).run():
+                    yield chunk
+                n += 1
             if n == 0:
                 raise InvalidRequest("no text was received (or only punctuation)")
             yield playback.empty_final_chunk()
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-
-    async def _piece_tokens(self, pieces: AsyncIterator[str | object], fed: TextFed,
-                            normalizer: StreamTextNormalizer | None) -> AsyncIterator[list[int]]:
-        """Bistream: the text's token ids as they become known. Raw (no normalizer): each piece's
-        own (FLUSH means nothing to an LM that reads as text comes); safe: the normalized text up
-        to the last safe boundary (FLUSH releases what is held)."""
-        async for piece in pieces:
-            if normalizer is not None:
-                tokens = await self._in_cpu(self._released_tokens, normalizer, piece)
-            elif piece is FLUSH or not piece:
-                continue
-            else:
-                tokens = await self._in_cpu(self.tokenizer.encode, piece)
-            if tokens:
-                fed.n_tokens += len(tokens)
-                yield tokens
-        if normalizer is not None and (tokens := await self._in_cpu(self._released_tokens, normalizer, None)):
-            fed.n_tokens += len(tokens)
-            yield tokens
-        if fed.n_tokens == 0:
-            raise InvalidRequest("no text was received (or only whitespace)")
-        fed.ended = True
-
-    def _released_tokens(self, normalizer: StreamTextNormalizer, piece: str | object | None) -> list[int]:
-        """CPU pool: a piece (FLUSH, or None for the end) into the normalizer -> the released tokens."""
-        released = (normalizer.end() if piece is None else normalizer.flush() if piece is FLUSH
-                    else normalizer.feed(piece))
-        return self.tokenizer.encode(released) if released else []
 
     async def _length_rule(self, speech: AsyncIterator[list[int]], fed: TextFed) -> AsyncIterator[list[int]]:
         """Bistream: upstream's length rule for text it has all of (at most max_token_text_ratio
@@ -480,28 +389,6 @@ class Synthesizer:
                     return
                 n += len(batch)
                 yield batch
-
-    async def _read_sentences(self, pieces: AsyncIterator[str | object], sentences: asyncio.Queue) -> None:
-        """Reader task: text pieces -> complete sentences on the queue, then None (or the error)."""
-        try:
-            async for sentence in complete_sentences(pieces, min(MAX_STREAM_SENTENCE_CHARS, self.rules.max_text_chars)):
-                sentences.put_nowait(sentence)
-            sentences.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: B036 - handed to the consumer
-            sentences.put_nowait(e)
-
-    def _text_segments(self, text: str, text_frontend: bool) -> list[list[int]]:
-        """CPU pool: normalise + split + tokenize."""
-        segments = self.text_frontend.normalize(text, split=True, enabled=text_frontend)
-        return [self.tokenizer.encode(s) for s in segments if s.strip()]
-
-    def _instruction_tokens(self, request: SynthesisRequest) -> list[int]:
-        if MODE_SPECS[request.mode].lm_prompt_text != "instruction":
-            return []
-        # upstream HEAD requires the caller to add <|endofprompt|> (CosyVoice3: and the system prompt)
-        return self.tokenizer.encode(instruction_text(request.instruct_text, self.dims.kind))
 
     def _utterance(self, request: SynthesisRequest, model_input: ModelInput, segment: int, playback: Playback,
                    *, last: bool, text_tokens: AsyncIterator[list[int]] | None = None,
@@ -535,14 +422,14 @@ class Synthesizer:
 
     def _bistream_request(self, request: SynthesisRequest, model_input: ModelInput) -> BistreamRequest:
         opts = request.options
+        # the LM text known up front: the prompt text, and CosyVoice3's system prompt where a mode
+        # without prompt text carries it in front of its (streamed) text
         prompt = np.concatenate([model_input.prompt_text, model_input.text])
         system_len = 0
-        if self.system_prompt is not None:  # CosyVoice3: through the first <|endofprompt|> goes in with sos
-            system_len = int(np.flatnonzero(prompt == self.system_prompt.endofprompt)[0]) + 1
+        if self.front.system_prompt is not None:  # CosyVoice3: through the first <|endofprompt|> goes in with sos
+            system_len = int(np.flatnonzero(prompt == self.front.system_prompt.endofprompt)[0]) + 1
         return BistreamRequest(
             request_id=self._engine_request_id(request, 0),
-            # the LM text known up front: the prompt text, and CosyVoice3's system prompt where a mode
-            # without prompt text carries it in front of its (streamed) text
             prompt_text_tokens=tuple(int(t) for t in prompt), system_prompt_len=system_len,
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             # the engine's own bound; the length rule proper is _length_rule

@@ -39,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.devices import check_device
+from async_cosyvoice.devices import check_device, devices_of
 from async_cosyvoice.errors import (
     ConfigError,
     CosyVoiceError,
@@ -49,7 +49,7 @@ from async_cosyvoice.errors import (
 )
 from async_cosyvoice.heap import fix_mmap_threshold
 from async_cosyvoice.loop_thread import LoopThread
-from async_cosyvoice.placement import create_synthesizer, devices_of
+from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.speaker_store import open_speaker_store
 from async_cosyvoice.tts import Synthesizer
 

@@ -5,7 +5,8 @@ from importlib import metadata
 
 from async_cosyvoice.config import Config
 from async_cosyvoice.demo import served_model_name
-from async_cosyvoice.tts import default_text_mode
+from async_cosyvoice.placement import device_stats
+from async_cosyvoice.request_front import default_text_mode
 
 from ._stubs import load as _load_stubs
 from .encoding import DEFAULT_ENCODING, encoding_info
@@ -42,4 +43,15 @@ def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
         default_text_mode=(pb2.TEXT_MODE_UNSPECIFIED if synth is None else
                            TEXT_MODES[default_text_mode(synth.supports_bistream)]),
         ready=synth is not None and synth.ready,
-        version=_version())
+        version=_version(),
+        degraded=synth is not None and getattr(synth, "degraded", False),
+        devices=[] if synth is None else device_infos(synth))
+
+
+def device_infos(synth) -> list:
+    """One DeviceInfo per device of a server on several devices (none with one device)."""
+    stats = device_stats(synth)
+    if len(stats) == 1 and stats[0].role == "all":
+        return []
+    return [pb2.DeviceInfo(device=s.device, role=s.role, state=s.state, active=s.active, restarts=s.restarts)
+            for s in stats]

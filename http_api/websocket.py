@@ -24,7 +24,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from async_cosyvoice.errors import InvalidRequest
 from async_cosyvoice.request import FLUSH, SynthesisOptions, SynthesisRequest
-from async_cosyvoice.tts import default_text_mode
+from async_cosyvoice.request_front import default_text_mode
 
 from .audio import STREAM_FORMATS, EncodedAudio
 from .backend import Backend, bearer

@@ -12,7 +12,8 @@ from async_cosyvoice.heap import HeapTrimmer, fix_mmap_threshold
 from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.rules import RequestRules
 from async_cosyvoice.speaker_store import open_speaker_store
-from async_cosyvoice.tts import MAX_STREAM_SENTENCE_CHARS, Audio, SynthesisRequest
+from async_cosyvoice.request import Audio, SynthesisRequest
+from async_cosyvoice.request_front import MAX_STREAM_SENTENCE_CHARS
 from grpc_async.auth import BearerToken
 from grpc_async.metrics import Metrics
 from grpc_async.servicer import CosyVoiceServicer

@@ -25,7 +25,7 @@ from async_cosyvoice.frontend.sentences import complete_sentences
 from async_cosyvoice.request import Audio, AudioChunk, SynthesisRequest
 from async_cosyvoice.rules import RequestRules
 from async_cosyvoice.speakers import SpeakerStoreBase
-from async_cosyvoice.tts import MAX_STREAM_SENTENCE_CHARS, checked_pieces
+from async_cosyvoice.request_front import MAX_STREAM_SENTENCE_CHARS, checked_pieces
 
 from .context import current_call
 

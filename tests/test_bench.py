@@ -381,16 +381,20 @@ def multi_gpu(monkeypatch):
 
 @pytest.mark.slow
 def test_multi_gpu_server_script_quick_on_cpu(multi_gpu, tmp_path):
-    """Every placement through a real server child process: one device, then two CPU devices as
-    replicas and as LLM + token2wav worker."""
-    assert multi_gpu.main(["--quick", "--skip", "capacity", "--out", str(tmp_path)]) == 0
+    """Every placement through a real server child process, in one invocation: one device, then two
+    CPU devices as worker processes, as LLM + token2wav process and as in-process replicas."""
+    assert multi_gpu.main(["--quick", "--setups", "one,workers:2,disaggregated:2,replicas:2", "--skip", "capacity",
+                           "--out", str(tmp_path)]) == 0
     table = (tmp_path / "multi_gpu_table.txt").read_text()
-    for name, devices, placement in (("one", [], "replicas"), ("replicas", ["cpu", "cpu"], "replicas"),
-                                     ("disaggregated", ["cpu", "cpu"], "disaggregated")):
+    setups = (("one", [], "workers", False), ("workers-2", ["cpu", "cpu"], "workers", False),
+              ("disaggregated-2", ["cpu", "cpu"], "disaggregated", True),
+              ("replicas-2", ["cpu", "cpu"], "replicas", False))
+    for name, devices, placement, t2w_process in setups:
         r = json.loads((tmp_path / f"setup-{name}.json").read_text())
-        model = r["meta"]["config"]["model"]
-        assert (model["devices"], model["placement"]) == (devices, placement)
-        assert r["meta"]["config"]["limits"]["max_concurrent_streams"] == 256
+        config = r["meta"]["config"]
+        assert (config["model"]["devices"], config["model"]["placement"]) == (devices, placement)
+        assert config["token2wav"]["process"] is t2w_process
+        assert config["limits"]["max_concurrent_streams"] == 256
         assert r["meta"]["multicast_env"] == multi_gpu.NVLS_OFF and r["skipped"] == ["capacity"]
         assert r["meta"]["phases"]["server_start_s"] > 0 and r["meta"]["server_returncode"] is not None
         assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
@@ -398,9 +402,23 @@ def test_multi_gpu_server_script_quick_on_cpu(multi_gpu, tmp_path):
             assert lv["errors"] == 0 and lv["first_chunk_s"]["p50"] > 0
         assert name in table and name in (tmp_path / "multi_gpu_table.md").read_text()
     combined = json.loads((tmp_path / "multi_gpu_results.json").read_text())
-    assert [(s["setup"], s["gpus"]) for s in combined["setups"]] == [("one", 1), ("replicas", 2), ("disaggregated", 2)]
+    assert [(s["setup"], s["gpus"]) for s in combined["setups"]] == [
+        ("one", 1), ("workers-2", 2), ("disaggregated-2", 2), ("replicas-2", 2)]
     assert combined["setups"][0]["throughput_vs_one"] == pytest.approx(1.0)
-    assert len(list(tmp_path.iterdir())) == 6
+    assert (tmp_path / "multi_gpu_scaling.png").stat().st_size > 0
+    assert len(list(tmp_path.iterdir())) == 8
+
+
+def test_multi_gpu_setups_parse():
+    script = _load_script("multi_gpu_server_bench")
+    assert script.parse_setup("workers:4", 8) == ("workers", 4) and script.parse_setup("one", 8) == ("one", 1)
+    assert script.parse_setup("disaggregated", 2) == ("disaggregated", 2)
+    assert script.default_setups(4) == "one,workers:2,workers:4,disaggregated:4"
+    with pytest.raises(ValueError, match="unknown placement"):
+        script.parse_setup("sharded:2", 2)
+    with pytest.raises(ValueError, match="at least 2 devices"):
+        script.parse_setup("workers:1", 2)
+    assert script.setup_sections("disaggregated", ["cuda:0", "cuda:1"])["token2wav"] == {"process": True}
 
 
 def _setup_results(name: str, gpus: int, capacity: float | None, throughput: dict, start_s: float = 100.0) -> dict:
@@ -426,7 +444,7 @@ def test_multi_gpu_merge_scaling_against_one_gpu(multi_gpu, tmp_path):
     bench.write_json(_setup_results("disaggregated", 4, None, {1: 7.0, 32: 60.0}), b / "setup-disaggregated.json")
     assert multi_gpu.main(["--merge", f"{a},{b}", "--out", str(out)]) == 0
     rows = {r["setup"]: r for r in json.loads((out / "multi_gpu_results.json").read_text())["setups"]}
-    assert list(rows) == ["one", "replicas", "disaggregated"]
+    assert list(rows) == ["one", "disaggregated", "replicas"]  # by placement (workers first), then GPUs
     rep, dis, one = rows["replicas"], rows["disaggregated"], rows["one"]
     assert rep["capacity_vs_one"] == pytest.approx(4.0) and rep["capacity_rate_per_gpu"] == pytest.approx(0.5)
     assert rep["capacity_streams"] == pytest.approx(20.0) and rep["capacity_streams_per_gpu"] == pytest.approx(5.0)
@@ -439,7 +457,8 @@ def test_multi_gpu_merge_scaling_against_one_gpu(multi_gpu, tmp_path):
     assert "| replicas | 4 | 100 s (cold) | 2 | 20.0 | 5.00 | 4.00x | 150.0 (64) | 3.66x |" in md
     assert "| disaggregated | 4 | 100 s (cold) | < 0.25 | - | - | - | 60.0 (32) | 1.50x |" in md
     assert "| one | 64 | 6400 ms | 12800 ms | 64 (32 of 128) | 41.0 | 0 |" in md
-    assert {p.name for p in out.iterdir()} == {"multi_gpu_results.json", "multi_gpu_table.txt", "multi_gpu_table.md"}
+    assert {p.name for p in out.iterdir()} == {"multi_gpu_results.json", "multi_gpu_table.txt", "multi_gpu_table.md",
+                                             "multi_gpu_scaling.png"}
     # without one GPU in the folders there is nothing to scale against
     assert multi_gpu.main(["--merge", str(b), "--out", str(tmp_path / "alone")]) == 0
     alone = json.loads((tmp_path / "alone" / "multi_gpu_results.json").read_text())["setups"]

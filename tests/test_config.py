@@ -3,8 +3,10 @@ from pathlib import Path
 
 import pydantic
 import pytest
+import torch
 
 from async_cosyvoice.config import Config
+from async_cosyvoice.devices import devices_of
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -27,3 +29,18 @@ def test_environment_overrides_and_validation(tmp_path):
     bad.write_text("server:\n  prot: 1\n")  # a typo is an error, not a silently ignored key
     with pytest.raises(pydantic.ValidationError):
         Config.load(bad, env={})
+
+
+def test_devices_all_and_the_default_placement():
+    config = Config.load(env={"ASYNC_COSYVOICE__MODEL__DEVICES": "all"})
+    assert config.model.devices == "all" and config.model.placement == "workers"
+    visible = torch.cuda.device_count()
+    if visible:
+        assert devices_of(config) == [f"cuda:{i}" for i in range(visible)]
+    else:
+        with pytest.raises(ValueError, match="no CUDA device is visible"):
+            devices_of(config)
+    assert devices_of(Config.model_validate({"model": {"devices": ["cpu", "cpu"]}})) == ["cpu", "cpu"]
+    assert devices_of(Config()) == ["cpu"]
+    with pytest.raises(pydantic.ValidationError, match="at least two entries"):
+        Config.model_validate({"model": {"devices": ["cuda:0"], "placement": "disaggregated"}})

@@ -77,14 +77,16 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
             async with CosyVoiceClient(st.target) as client:
                 await client.register_speaker("shared_voice", PROMPT_TEXT, prompt)
 
-        def prefixes():
-            return [len(r.synth.batcher.runner.speaker_prefixes) for r in router.replicas]
+        def prefixes(speaker_id: str = "shared_voice") -> list[bool]:  # its flow prompt prefix, per replica
+            return [speaker_id in r.synth.batcher.runner.speaker_prefixes for r in router.replicas]
+
+        assert prefixes("tiny_zs_spk") == [True, True]  # the model directory's zero-shot speaker: at start
 
         st.call(register(), timeout=300)
         registered_on = [r.served for r in router.replicas].index(1)  # the replica that computed it
         n_prompt = router.speakers.get("shared_voice").voice.n_tokens
         assert [r.synth.warming.warmed.get(n_prompt) for r in router.replicas] == [[1], [1]]
-        assert prefixes() == [1, 1]  # its flow prompt prefix is on both replicas before any request
+        assert prefixes() == [True, True]  # its flow prompt prefix is on both replicas before any request
         served_before = [r.served for r in router.replicas]
         # same seed on both replicas: the same audio wherever a request lands
         audio = st.call(_speak(st.target, 4, mode="zero_shot_by_spk_id", speaker_id="shared_voice", seed=5),
@@ -139,13 +141,13 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         st.call(router.delete_speaker("late_voice"), timeout=60)
 
         # deleting the speaker drops its cached flow prompt prefix on every replica
-        assert prefixes() == [1, 1]
+        assert prefixes() == [True, True]
 
         async def delete():
             async with CosyVoiceClient(st.target) as client:
                 await client.delete_speaker("shared_voice")
         st.call(delete(), timeout=60)
-        assert prefixes() == [0, 0]
+        assert prefixes() == [False, False]
 
 
 MODEL_CLASSES = (CosyVoice2LM, Flow, HiFT)

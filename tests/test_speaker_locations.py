@@ -3,6 +3,7 @@ model directory's own spk2info.pt, read-only beside it."""
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,10 @@ import torch
 from serve_process import run_cli
 
 from async_cosyvoice.config import Config
-from async_cosyvoice.errors import SpeakerExists, SpeakerNotFound, Unsupported
+from async_cosyvoice.errors import SpeakerExists, SpeakerNotFound, StoreUnavailable, Unsupported
 from async_cosyvoice.files import data_root
 from async_cosyvoice.model_speakers import ModelDirSpeakers, with_model_speakers
+from async_cosyvoice.speaker_redis import RedisSpeakerStore
 from async_cosyvoice.speakers import SpeakerRecord, SpeakerStore
 from cosyvoice_cli.cli import main
 
@@ -131,3 +133,21 @@ def test_an_import_writes_to_the_store(speakers, tiny_dir):
     assert speakers.store.ids() == ["tiny_sft_spk", "tiny_zs_spk"]
     speakers.delete("tiny_sft_spk")  # the store's copy
     assert speakers.store.ids() == ["tiny_zs_spk"] and "tiny_sft_spk" in speakers
+
+
+def test_reachability_is_the_stores(tiny_dir):
+    """Health follows the store behind the model's speakers: the server reads `reachable` and
+    watches it on whatever store it holds (a server on the fixture holds this wrapper)."""
+    with socket.socket() as s:  # a port nobody listens on: Redis is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    both = with_model_speakers(RedisSpeakerStore(f"redis://127.0.0.1:{port}/0", timeout=1.0), tiny_dir)
+    assert isinstance(both, ModelDirSpeakers) and both.reachable
+    heard = []
+    both.watch(heard.append)
+    with pytest.raises(StoreUnavailable):
+        both.infos()
+    assert not both.reachable and heard == [False]
+    with pytest.raises(StoreUnavailable):
+        both.ping()
+    both.close()

@@ -441,9 +441,6 @@ def test_bistream_is_the_default_and_fed_the_normalized_text(synth, prompt):
     """No text_mode: one LM request for the whole reply (bistream; sentence mode would make one
     segment per sentence). What the LM is fed: "safe", the tokens of the whole text normalized;
     "raw", each piece's own tokens (upstream)."""
-    from async_cosyvoice.frontend.stream_text import StreamTextNormalizer
-    from async_cosyvoice.tts import TextFed, checked_pieces
-
     s = synth.synth
     assert s.supports_bistream
     pieces = ["It", " costs", " 12", " dollars", ". We", " met", " Dr.", " Smith", " at", " 3", " pm", "."]
@@ -453,14 +450,14 @@ def test_bistream_is_the_default_and_fed_the_normalized_text(synth, prompt):
         for piece in pieces:
             yield piece
 
-    async def fed(normalizer):
-        return [t async for tokens in s._piece_tokens(checked_pieces(text(), 5.0), TextFed(), normalizer)
-                for t in tokens]
-
     async def body():
         request = _request(Mode.SFT, prompt, True, text="", options={"max_tokens": 30})
         chunks = [c async for c in s.synthesize_stream(text(), request)]
-        return chunks, await fed(StreamTextNormalizer(s.text_frontend)), await fed(None)
+
+        async def fed(normalization):
+            return [t async for tokens in s.front.stream_tokens(text(), request, "bistream", normalization)
+                    for t in tokens]
+        return chunks, await fed("safe"), await fed("raw")
 
     chunks, safe, raw = synth.call(body())
     _check_chunks(chunks)

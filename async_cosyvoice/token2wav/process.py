@@ -83,9 +83,10 @@ class JobSpec:
 
 
 def picklable(error: BaseException) -> BaseException:
-    """The error itself where it pickles, else a RuntimeError naming it."""
+    """The error itself where it survives pickling (an exception whose __init__ takes other
+    arguments than its args pickles but does not unpickle), else a RuntimeError naming it."""
     try:
-        pickle.dumps(error)
+        pickle.loads(pickle.dumps(error))
         return error
     except Exception:  # noqa: BLE001 — any unpicklable error becomes a plain one
         return RuntimeError(f"{type(error).__name__}: {error}")
