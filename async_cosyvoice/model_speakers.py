@@ -62,17 +62,6 @@ class ModelDirSpeakers(SpeakerStoreBase):
     def __repr__(self) -> str:
         return f"{self.store!r} + {len(self.records)} read-only speaker(s) from {self.path}"
 
-    # reachability is the wrapped store's (the model directory's speakers are always there)
-    @property
-    def reachable(self) -> bool:
-        return self.store.reachable
-
-    def watch(self, listener) -> None:
-        self.store.watch(listener)
-
-    def ping(self) -> None:
-        self.store.ping()
-
     def _read_only(self, speaker_id: str, what: str) -> Unsupported:
         return Unsupported(f"speaker {speaker_id!r} comes with the model directory ({self.path}) and is "
                            f"read-only: it cannot be {what}; register your voice under another id")
