@@ -203,6 +203,11 @@ class WarmupConfig(_Section):
     # before the registration returns (these requests run beside live traffic); 0: not at all
     register_max_batch: int = Field(8, ge=0)
     compile_cache_dir: Path | None = None  # torch.compile's caches; None: <cache root>/torch-compile
+    # torch.compile's portable cache artifacts (compile_cache.py): loaded before anything compiles, saved
+    # after the warm-up, keyed by torch/CUDA/GPU/model/dtypes/graph config; a file for another key is ignored
+    persistent_compile_cache: bool = True
+    # also keep Dynamo's traced frames (torch's experimental caching_precompile): a hit skips Dynamo's tracing
+    precompile: bool = False
 
 
 class Config(_Section):

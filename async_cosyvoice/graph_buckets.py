@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .cuda_graph import CapturedCall, padded
+from .startup import CAPTURES
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ class GraphBuckets:
             self._pool = torch.cuda.graph_pool_handle()
         log.info("capturing the %s CUDA graph for batch %d x %d %s", self.what, *bucket, self.unit)
         buffers = self._buffers(bucket, inputs)
-        graph = self.graphs[bucket] = CapturedCall(self._fn(bucket), buffers, self.device, self._pool)
+        with CAPTURES.capturing(self.what):
+            graph = self.graphs[bucket] = CapturedCall(self._fn(bucket), buffers, self.device, self._pool)
         return graph
 
     def _buffers(self, bucket: Bucket, inputs: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -34,6 +34,7 @@ from .errors import NotReady
 from .model_dir import ModelDir
 from .request import Audio, AudioChunk, SynthesisRequest
 from .stage_stats import StageStats, totals
+from .startup import Startup
 from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav.batcher import Token2WavBatcher
 from .token2wav.process import token2wav_worker
@@ -43,15 +44,23 @@ from .worker_pool import WorkerPool
 log = logging.getLogger(__name__)
 
 
-async def create_synthesizer(config: Config, warmup: bool = True) -> "Synthesizer | ReplicaRouter | WorkerPool":
+async def create_synthesizer(config: Config, warmup: bool = True,
+                             startup: Startup | None = None) -> "Synthesizer | ReplicaRouter | WorkerPool":
+    """`startup` (startup.py) follows the steps; after a warm-up its phase table is logged."""
+    startup = startup or Startup()
     devices = devices_of(config)
     if len(devices) == 1:
-        return await Synthesizer.create(on_device(config, devices[0]), warmup=warmup)
-    if config.model.placement == "workers":
-        return await WorkerPool.create(config, warmup=warmup)
-    if config.model.placement == "replicas":
-        return await ReplicaRouter.create(config, warmup=warmup)
-    return await create_disaggregated(config, warmup=warmup)
+        synth = await Synthesizer.create(on_device(config, devices[0]), warmup=warmup, startup=startup)
+    elif config.model.placement == "workers":  # the worker processes load, compile and warm up themselves
+        with startup.span("warm-up", "starting the worker processes (each loads, compiles and warms up)"):
+            synth = await WorkerPool.create(config, warmup=warmup)
+    elif config.model.placement == "replicas":
+        synth = await ReplicaRouter.create(config, warmup=warmup, startup=startup)
+    else:
+        synth = await create_disaggregated(config, warmup=warmup, startup=startup)
+    if warmup:
+        log.info("%s", startup.finish().table())
+    return synth
 
 
 # ---- replicas ----------------------------------------------------------------------------------
@@ -85,14 +94,14 @@ class ReplicaRouter:
         self.speakers = shared
 
     @classmethod
-    async def create(cls, config: Config, warmup: bool = True) -> "ReplicaRouter":
+    async def create(cls, config: Config, warmup: bool = True, startup: Startup | None = None) -> "ReplicaRouter":
         devices = devices_of(config)
         # one replica after another: torch.compile is not thread-safe (two replicas compiling their LLM
         # step at once failed on an H100 pair: "using FX to symbolically trace a dynamo-optimized function")
         synths: list[Synthesizer] = []
         try:
             for d in devices:
-                synths.append(await Synthesizer.create(on_device(config, d), warmup=warmup))
+                synths.append(await Synthesizer.create(on_device(config, d), warmup=warmup, startup=startup))
         except BaseException:
             for s in synths:
                 await s.close()
@@ -263,16 +272,17 @@ def build_token2wav_pool(config: Config, model_dir: ModelDir, devices: list[str]
     return Token2WavPool(batchers, devices)
 
 
-async def create_disaggregated(config: Config, warmup: bool = True) -> Synthesizer:
+async def create_disaggregated(config: Config, warmup: bool = True, startup: Startup | None = None) -> Synthesizer:
     """A Synthesizer on the first device (the LM only: no flow or HiFT there) whose batcher is a
     Token2WavPool over the other devices."""
     llm_device, *t2w_devices = devices_of(config)
-    synth = await Synthesizer.create(on_device(config, llm_device), warmup=False,
+    startup = startup or Startup()
+    synth = await Synthesizer.create(on_device(config, llm_device), warmup=False, startup=startup,
                                      token2wav=lambda model_dir: build_token2wav_pool(config, model_dir, t2w_devices))
     pool = synth.batcher
     if warmup:
         synth.ready = False
-        await synth.warmup(rounds=len(pool.workers))
+        await synth.warm_start(startup, rounds=len(pool.workers))
         synth.ready = True
     log.info("LLM on %s, token2wav on %s", llm_device, ", ".join(t2w_devices))
     return synth

@@ -23,6 +23,7 @@ from typing import AsyncIterable, AsyncIterator, Callable, Iterator
 import numpy as np
 import torch
 
+from .compile_cache import PersistentCompileCache, open_compile_cache, use_compile_cache
 from .config import Config
 from .demo import resolve_model_dir
 from .devices import check_device
@@ -57,12 +58,13 @@ from .request import (
 from .request_front import RequestFront, TextMode, TextNormalization
 from .speakers import SpeakerRecord, SpeakerStoreBase
 from .stage_stats import StageStats, totals
+from .startup import Startup
 from .token2wav import ChunkSchedule
 from .token2wav.batcher import Token2WavBatcher
 from .token2wav.flow_cache import speaker_prefix_tokens, state_nbytes
 from .token2wav.process import token2wav_worker
 from .utterance import Playback, Utterance
-from .warmup import Warmup, compile_in_use, use_compile_cache
+from .warmup import Warmup, compile_in_use
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class Synthesizer:
         self.engine = engine
         self.batcher = batcher
         self.ready = False
+        self.compile_cache: PersistentCompileCache | None = None  # saved after the warm-up
         self.warming = Warmup(config, front.speakers, self.sample_rate,
                               max_tokens=min(40, self.rules.max_forced_tokens), capture=batcher.capture_graphs)
         self._engine_serial = itertools.count()  # see _engine_request_id
@@ -134,23 +137,43 @@ class Synthesizer:
 
     @classmethod
     async def create(cls, config: Config, warmup: bool = True,
-                     token2wav: Callable[[ModelDir], Token2WavBatcher] | None = None) -> "Synthesizer":
+                     token2wav: Callable[[ModelDir], Token2WavBatcher] | None = None,
+                     startup: Startup | None = None) -> "Synthesizer":
         """Load the model directory, start the engine and (optionally) warm up. `token2wav` builds
         the token2wav stage elsewhere (placement's disaggregated pool): this device then loads
-        only the LM."""
-        synth = await asyncio.get_running_loop().run_in_executor(None, cls._build, config, token2wav)
-        await synth.engine.start()
+        only the LM. `startup` (startup.py) is told each step and times it; without one, the
+        phase table of this start is logged here."""
+        own = startup is None
+        startup = startup or Startup()
+        with startup.span("load weights", "loading weights"):
+            synth = await asyncio.get_running_loop().run_in_executor(None, cls._build, config, token2wav)
+        if synth.compile_cache is not None:
+            startup.compile_cache = synth.compile_cache.outcome
+        with startup.span("warm-up", "warming up: starting the engine (compile, CUDA graphs)"):
+            await synth.engine.start()
         if warmup:
-            await synth.warmup()
+            await synth.warm_start(startup)
+            if own:
+                log.info("%s", startup.finish().table())
         synth.ready = True
         return synth
+
+    async def warm_start(self, startup: Startup, rounds: int = 1) -> None:
+        """`warmup(rounds)`, then the persistent compile cache saved, both timed in `startup`."""
+        with startup.span("warm-up", "warming up: warm-up requests and CUDA graph captures"):
+            await self.warmup(rounds)
+        if self.compile_cache is not None:
+            with startup.span("save compile cache", "warming up: saving the compile cache"):
+                await asyncio.to_thread(self.compile_cache.save)
 
     @classmethod
     def _build(cls, config: Config, token2wav: Callable[[ModelDir], Token2WavBatcher] | None) -> "Synthesizer":
         device = check_device(config.model.device)
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
+        compile_cache = None
         if compile_in_use(config):
             use_compile_cache(config)
+            compile_cache = open_compile_cache(config, model_dir.path, device)
         # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
         # Flow and HiFT belong to the token2wav stage (token2wav_worker), loaded there.
         models = build_models(model_dir, device=device, llm_dtype=getattr(torch, config.model.llm_dtype),
@@ -158,7 +181,9 @@ class Synthesizer:
         front = RequestFront.load(config, model_dir)
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
-        return cls(config=config, model_dir=model_dir, models=models, front=front, engine=engine, batcher=batcher)
+        synth = cls(config=config, model_dir=model_dir, models=models, front=front, engine=engine, batcher=batcher)
+        synth.compile_cache = compile_cache
+        return synth
 
     async def warmup(self, rounds: int = 1) -> None:
         """Before SERVING: every stage once, where shapes are captured every batch size for the

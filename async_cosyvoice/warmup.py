@@ -18,23 +18,20 @@ A speaker registered while serving gets step 2 before its registration returns (
 length), up to `register_max_batch` (8) streams: those requests run beside live traffic, so the
 larger batch buckets of a new prompt length are captured on first use (or at the next start).
 
-`use_compile_cache` points torch.compile's caches (inductor's FX graphs and Triton kernels) at
-a persistent folder, so a restart loads compiled code instead of compiling it again.
+What is compiled is kept across restarts by compile_cache.py (`use_compile_cache`, re-exported here).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
+from .compile_cache import compile_cache_dir, use_compile_cache  # noqa: F401 (re-exported)
 from .errors import SpeakerCorrupt, SpeakerNotFound, StoreUnavailable
-from .files import cache_root
 from .request import Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest
 from .token2wav import ChunkSchedule
 
@@ -52,26 +49,6 @@ def compile_in_use(config: Config) -> bool:
     """Whether anything will be torch.compile'd or captured as a CUDA graph."""
     return config.model.device.startswith("cuda") and (
         config.engine.cuda_graphs or config.engine.compile or config.token2wav.estimator == "compiled")
-
-
-def compile_cache_dir(config: Config) -> Path:
-    """Where torch.compile's caches are: an explicit TORCHINDUCTOR_CACHE_DIR in the environment, else
-    `warmup.compile_cache_dir` (default: <cache root>/torch-compile)."""
-    explicit = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if explicit is not None:
-        return Path(explicit)
-    return Path(config.warmup.compile_cache_dir or cache_root() / "torch-compile").expanduser()
-
-
-def use_compile_cache(config: Config) -> Path:
-    """torch.compile's caches in `compile_cache_dir(config)`. Inductor reads it when it first
-    compiles, so this runs before the models are built."""
-    chosen = compile_cache_dir(config)
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        chosen.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(chosen)
-    log.info("torch.compile cache: %s", chosen)
-    return chosen
 
 
 def chunk_mel_frames(config: Config) -> range:

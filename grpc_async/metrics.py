@@ -21,6 +21,7 @@ from prometheus_client.exposition import MetricsHandler
 
 from async_cosyvoice.request import FirstChunkParts
 from async_cosyvoice.stage_stats import StageStats
+from async_cosyvoice.startup import StartupReport
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ class Metrics:
         self.engine_kv_usage = Gauge(
             "cosyvoice_engine_kv_usage_ratio", "Fraction of the LM KV cache in use", registry=r)
         self.ready = Gauge("cosyvoice_ready", "1 once the model is loaded and warmed up", registry=r)
+        self.startup_seconds = Gauge(
+            "cosyvoice_startup_seconds", "Where the start went, by phase (set once SERVING; total: to SERVING)",
+            ["phase"], registry=r)
+        self.startup_graphs = Gauge(
+            "cosyvoice_startup_cuda_graphs", "CUDA graphs captured during the start, by kind", ["kind"], registry=r)
         self.engine_alive = Gauge(
             "cosyvoice_engine_alive", "0 once the LM engine has died (the process is exiting)", registry=r)
         self.engine_alive.set(1)
@@ -91,6 +97,14 @@ class Metrics:
                 self.rtf.labels(mode, stream).observe(elapsed / audio_seconds)
             self.audio_seconds.labels(mode).inc(audio_seconds)
             self.speech_tokens.labels(mode).inc(tokens)
+
+    def record_startup(self, report: StartupReport) -> None:
+        """The finished start's phases (startup.py) and graph counts."""
+        for phase, seconds in report.phases.items():
+            self.startup_seconds.labels(phase).set(seconds)
+        self.startup_seconds.labels("total").set(report.total_s)
+        for kind, n in report.captured.items():
+            self.startup_graphs.labels(kind).set(n)
 
     def bind_engine(self, stats: Callable[[], object]) -> None:
         """Read the engine gauges from `stats()` (an EngineStats) at every scrape."""

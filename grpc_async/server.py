@@ -262,7 +262,8 @@ class CosyVoiceServer:
             if self._factory is not None:
                 synth = await self._factory(self.config)
             else:
-                synth = await create_synthesizer(self.config)  # one device, or several (model.devices)
+                # one device, or several (model.devices); the servicer's Startup follows the steps
+                synth = await create_synthesizer(self.config, startup=self.servicer.startup)
         self.servicer.synth = synth
         log.info("speaker store: %r", synth.speakers)
         self.metrics.bind_engine(synth.engine_stats)
@@ -275,6 +276,7 @@ class CosyVoiceServer:
         if self.servicer.closing:
             return
         self._engine_watch = asyncio.create_task(self._watch_engine(synth))
+        self.metrics.record_startup(self.servicer.startup.finish())
         self.metrics.ready.set(1)
         self._store_watch = StoreWatch(synth.speakers, self._store_reachable)
         if synth.speakers.reachable:

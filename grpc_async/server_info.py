@@ -7,6 +7,7 @@ from async_cosyvoice.config import Config
 from async_cosyvoice.demo import served_model_name
 from async_cosyvoice.placement import device_stats
 from async_cosyvoice.request_front import default_text_mode
+from async_cosyvoice.startup import Startup
 
 from ._stubs import load as _load_stubs
 from .encoding import DEFAULT_ENCODING, encoding_info
@@ -25,8 +26,17 @@ def _version() -> str:
         return "0+source"
 
 
-def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
-    """`synth`: the Synthesizer, or None while the model loads."""
+def startup_info(startup: Startup) -> pb2.Startup:
+    report = startup.report
+    if report is None:
+        return pb2.Startup(step=startup.status(), compile_cache=startup.compile_cache)
+    return pb2.Startup(step="serving", seconds=report.total_s, compile_cache=report.compile_cache,
+                       phases=[pb2.StartupPhase(name=n, seconds=s) for n, s in report.phases.items()],
+                       cuda_graphs=report.captured)
+
+
+def server_info(config: Config, synth, startup: Startup | None = None) -> pb2.GetServerInfoResponse:
+    """`synth`: the Synthesizer, or None while the model loads; `startup`: the server's start."""
     limits = config.limits
     return pb2.GetServerInfoResponse(
         model=served_model_name(config),
@@ -45,7 +55,8 @@ def server_info(config: Config, synth) -> pb2.GetServerInfoResponse:
         ready=synth is not None and synth.ready,
         version=_version(),
         degraded=synth is not None and getattr(synth, "degraded", False),
-        devices=[] if synth is None else device_infos(synth))
+        devices=[] if synth is None else device_infos(synth),
+        startup=startup_info(startup) if startup is not None else None)
 
 
 def device_infos(synth) -> list:

@@ -26,6 +26,7 @@ from async_cosyvoice.heap import HeapTrimmer
 from async_cosyvoice.limiter import StreamLimiter
 from async_cosyvoice.request import Audio, Mode, SynthesisOptions, SynthesisRequest, Timeline
 from async_cosyvoice.speakers import SpeakerInfo, SpeakerRecord, validate_speaker_id
+from async_cosyvoice.startup import Startup
 from async_cosyvoice.tts import Synthesizer
 
 from ._stubs import load as _load_stubs
@@ -141,6 +142,7 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         self.limiter = StreamLimiter(config.limits.max_concurrent_streams, on_reject=metrics.rejected.inc,
                                      on_release=self.heap.stream_ended)
         metrics.active_streams.set_function(lambda: self.limiter.active)
+        self.startup = Startup()  # what the start is doing until SERVING, and its phase report after
         self.engine_failure: str | None = None  # set by the server when the LM engine died
         self._streams: set[asyncio.Task] = set()  # gRPC handler tasks holding a stream slot
         self._ending: str | None = None  # set by end_streams: the status message of cancelled streams
@@ -153,7 +155,7 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         if self.closing:
             raise NotReady("the server is shutting down; retry on another instance")
         if self.synth is None or not getattr(self.synth, "ready", True):
-            raise NotReady("the model is still loading; retry when health reports SERVING")
+            raise NotReady(f"the server is warming up ({self.startup.status()}); retry when health reports SERVING")
         return self.synth
 
     @property
@@ -463,5 +465,5 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
 
     async def GetServerInfo(self, request: pb2.GetServerInfoRequest, context) -> pb2.GetServerInfoResponse:
         async def body(call: _Call):
-            return server_info(self.config, None if self.closing else self.synth)
+            return server_info(self.config, None if self.closing else self.synth, self.startup)
         return await self._unary("GetServerInfo", context, body)

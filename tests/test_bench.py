@@ -365,7 +365,17 @@ def test_h200_server_script_quick_on_cpu(tmp_path):
     # the second start of the same server: its own time to SERVING, its first request and warm ones
     assert r["restart"]["start_s"] > 0 and r["restart"]["first_request"]["errors"] == 0
     assert r["restart"]["warm"]["errors"] == 0 and r["restart"]["warm"]["requests"] == 3
-    assert "through the gRPC server:" in (tmp_path / "server_table.txt").read_text()
+    # both starts' phase tables, as the server reported them (GetServerInfo.startup)
+    for start in (r["startup"], r["restart"]["startup"]):
+        assert list(start["phases_s"]) == ["load weights", "compile", "capture", "warm-up requests",
+                                           "save compile cache"]
+        assert start["phases_s"]["load weights"] > 0 and 0 < start["server_s"] <= start["spawn_to_serving_s"]
+        assert start["compile_cache"] == "off"  # CPU: nothing compiled
+    table = (tmp_path / "server_table.txt").read_text()
+    assert "through the gRPC server:" in table and "start-up (seconds):" in table and "warm-up requests" in table
+    # where the first requests' first chunks went, as the server counted them
+    assert r["restart"]["first_request"]["stages"]["first_chunk_t2w"]["calls"] == 1
+    assert "first request after the restart" in table
     assert {"server-latency.png", "server-first_chunk_hist.png"} <= {p.name for p in tmp_path.iterdir()}
 
 

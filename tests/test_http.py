@@ -129,7 +129,7 @@ def test_http_only_server_while_loading(tmp_path):
         ready = httpx.get(base + "/readyz")
         assert ready.status_code == 503 and error_of(ready)["code"] == "unavailable"
         r = httpx.post(base + "/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "voice": "alloy"})
-        assert r.status_code == 503 and "still loading" in error_of(r)["message"]
+        assert r.status_code == 503 and "warming up" in error_of(r)["message"]
         assert httpx.get(base + "/").headers["content-type"].startswith("text/html")
     finally:
         st.close(grace=0)

@@ -267,7 +267,7 @@ def test_health_not_serving_while_loading_and_auth(loading_server):
         async with CosyVoiceClient(loading_server.target, token="s3cret") as client:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await client.list_speakers()
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in e.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await collect(client.synthesize("Hi.", mode="sft", speaker_id="a"))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE

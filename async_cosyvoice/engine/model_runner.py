@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..models.llm import CosyVoice2LM, Table, input_rows
 from ..sampling import ras_sample_batch, suppress_batch
+from ..startup import CAPTURES
 from .recorder import StepRecord, StepRecorder
 from .scheduler import PrefillChunk, StepPlan
 from .sequence import Sequence
@@ -292,6 +293,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        with CAPTURES.capturing("LLM decode step"):
+            return self._capture_graph(batch, kv_len)
+
+    def _capture_graph(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         slots, uniforms, force = self._graph_slots[:batch], self._graph_uniforms[:batch], self._graph_force[:batch]
         slots.fill_(self.scratch)
         self._decode_rows(slots, uniforms, force, kv_len)  # warm-up: kernels chosen, lazy buffers made
