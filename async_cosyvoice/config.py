@@ -196,7 +196,9 @@ class ServerConfig(_Section):
     heap_mmap_threshold_kib: int = Field(1024, ge=0, le=32 * 1024)
     # HTTP front door (http_api: OpenAI /v1/audio/speech, WebSocket, web page); None = off
     http_port: int | None = Field(None, ge=0, le=65535)
-    served_model_name: str = "cosyvoice2"  # GET /v1/models; OpenAI's tts-1 etc. are accepted too
+    # GET /v1/models and GetServerInfo; None: the model directory's kind (cosyvoice2 / cosyvoice3).
+    # OpenAI's tts-1 etc. are accepted too
+    served_model_name: str | None = None
     voice_aliases: dict[str, str] = {}  # e.g. {"alloy": "my_speaker"}: OpenAI voice names -> speaker ids
     # the HTTP door's own certificate; unset: tls_cert / tls_key (with TLS configured both doors use it)
     http_tls_cert: Path | None = None

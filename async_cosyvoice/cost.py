@@ -11,6 +11,8 @@ token2wav device (the host too, on CPU):
   (9 bytes per frame pair: the one quadratic term left; measured 3000 tokens on the tiny model on
   CPU: 1002 MiB for the whole request, this bound 1216 MiB), and the encoder's position scores,
   computed in query blocks of ATTENTION_BLOCK_ELEMENTS (models/flow/encoder.py);
+  CosyVoice3's DiT flow (no conformer encoder) has the (2, heads, F, F) float scores of its
+  attention instead (`flow_call_bytes`; not measured yet);
 - its audio, N x samples per token of float32, twice (HiFT's output and the chunks).
 
 Plus, on the host, the prompt audio decoded and resampled to 16 and 24 kHz. N is `max_tokens` when
@@ -26,7 +28,7 @@ import os
 
 import torch
 
-from .models.dims import ModelDims
+from .models.dims import DiTFlowDims, FlowDims, ModelDims
 from .models.flow.encoder import ATTENTION_BLOCK_ELEMENTS
 from .request import Audio
 from .token2wav.flow_cache import state_nbytes
@@ -44,15 +46,28 @@ def utterance_bytes(dims: ModelDims, prompt_tokens: int, speech_tokens: int, flo
     if flow_cache:
         cached = state_nbytes(flow, tokens if flow_cache_max_tokens is None else min(tokens, flow_cache_max_tokens),
                               flow_dtype)
-    est, enc = flow.estimator, flow.encoder
+    audio = 2 * FLOAT * speech_tokens * dims.samples_per_token
+    return cached + flow_call_bytes(flow, frames) + audio
+
+
+def flow_call_bytes(flow: FlowDims | DiTFlowDims, frames: int) -> int:
+    """The final, full-attention flow call over `frames` mel frames (both CFG halves)."""
+    est = flow.estimator
+    if isinstance(flow, DiTFlowDims):
+        # CosyVoice3's DiT: per frame the block's input, AdaLN-modulated copies, q/k/v/out and the
+        # feed-forward, a few alive at once, plus the look-ahead conv; SDPA with a bool mask may
+        # take its math path, whose float scores are (2, heads, F, F): the quadratic term
+        per_frame = FLOAT * (2 * (est.dim * (6 + 2 * est.ff_mult) + 4 * est.heads * est.dim_head + 3 * est.mel_dim)
+                             + flow.lookahead_channels)
+        return per_frame * frames + 2 * frames * frames * (1 + FLOAT * est.heads)
+    enc = flow.encoder
     # per frame, both CFG halves: the U-Net's widest tensors (inputs, skip, attention q/k/v/out,
     # feed-forward) and the encoder's layer activations, a few alive at once
     per_frame = FLOAT * (2 * (est.in_channels + 8 * est.channels[0] + 6 * est.num_heads * est.attention_head_dim)
                          + 8 * enc.output_size + 4 * enc.linear_units)
     quadratic = 2 * frames * frames * (FLOAT + 1 + FLOAT)
     encoder_blocks = 3 * FLOAT * ATTENTION_BLOCK_ELEMENTS
-    audio = 2 * FLOAT * speech_tokens * dims.samples_per_token
-    return cached + per_frame * frames + quadratic + encoder_blocks + audio
+    return per_frame * frames + quadratic + encoder_blocks
 
 
 def device_memory(device: str) -> int:

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from .files import cache_root
+from .model_dir import model_kind
 from .random_model import make_random_model
 
 log = logging.getLogger(__name__)
@@ -30,3 +31,9 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
     log.warning("No model directory given: using the tiny RANDOM-WEIGHT demo model at %s. "
                 "It produces noise, not speech. Pass --model-dir /path/to/CosyVoice2-0.5B for real voices.", path)
     return path
+
+
+def served_model_name(config) -> str:
+    """The model id the doors show: `server.served_model_name`, else the configured model directory's
+    kind (`cosyvoice2` or `cosyvoice3`, read from its yaml's name)."""
+    return config.server.served_model_name or model_kind(resolve_model_dir(config.model.dir).resolve())

@@ -1,6 +1,7 @@
 """One table between the typed dims and a model directory's config files, used in both directions.
 
-`RECIPE_FIELDS` maps `ModelDims` fields to keys of `cosyvoice2.yaml`, `QWEN_FIELDS` maps `Qwen2Dims` fields
+`RECIPE_FIELDS_BY_KIND` maps `ModelDims` fields to keys of `cosyvoice2.yaml` / `cosyvoice3.yaml` (the fields
+both share, then each kind's flow and HiFT extras), `QWEN_FIELDS` maps `Qwen2Dims` fields
 to keys of `CosyVoice-BlankEN/config.json`. `model_dir.py` reads dims through them (`read_dims`) and the
 random-model writer fills the official recipe through the same rows (`write_recipe`, `qwen_config`), so
 what is written is what is read.
@@ -15,7 +16,7 @@ from typing import Any
 import yaml
 
 from async_cosyvoice.errors import ModelDirError
-from async_cosyvoice.models.dims import ModelDims, Qwen2Dims
+from async_cosyvoice.models.dims import ModelDims, Qwen2Dims, cosyvoice3_dims
 from async_cosyvoice.recipe import YAML_FILE, RecipeLoader, Tagged, load_recipe
 
 
@@ -101,7 +102,8 @@ def _same(convert, *names: str) -> list[Field]:
 
 _CFM = "flow.decoder.cfm_params"
 
-RECIPE_FIELDS: tuple[Field, ...] = (
+# the fields both kinds share, under the same keys
+_COMMON_FIELDS: tuple[Field, ...] = (
     *_same(to_int, "sample_rate", "token_frame_rate", "token_mel_ratio", "chunk_size"),
     *_under("lm", "llm",
             *_same(to_int, "llm_input_size", "llm_output_size", "speech_token_size"),
@@ -114,18 +116,6 @@ RECIPE_FIELDS: tuple[Field, ...] = (
     *_under("flow", "flow",
             *_same(to_int, "input_size", "output_size", "spk_embed_dim", "vocab_size", "token_mel_ratio",
                    "pre_lookahead_len", "input_frame_rate")),
-    *_under("flow.encoder", "flow.encoder",
-            *_same(to_int, "input_size", "output_size", "attention_heads", "linear_units", "num_blocks"),
-            _f("num_up_blocks", "num_up_blocks", to_int, optional=True),
-            _f("static_chunk_size", "static_chunk_size", to_int),
-            _f("pre_lookahead_len", "pre_lookahead_len", to_int, optional=True, default_from="flow.pre_lookahead_len"),
-            _f("upsample_stride", "upsample_stride", to_int, optional=True)),
-    *_under("flow.estimator", "flow.decoder.estimator",
-            *_same(to_int, "in_channels", "out_channels"),
-            _f("channels", "channels", to_ints),
-            *_same(to_int, "attention_head_dim", "n_blocks", "num_mid_blocks", "num_heads"),
-            _f("act_fn", "act_fn", to_str),
-            _f("static_chunk_size", "static_chunk_size", to_int)),
     # cfm_params is `!new:omegaconf.DictConfig {content: {...}}` upstream; a plain mapping is read too
     *[_f(f"flow.cfm.{name}", (f"{_CFM}.content.{name}", f"{_CFM}.{name}"), convert, **kw)
       for name, convert, kw in (("sigma_min", to_float, {}), ("t_scheduler", to_str, {}),
@@ -149,12 +139,58 @@ RECIPE_FIELDS: tuple[Field, ...] = (
             _f("fmin", "fmin", to_float), _f("fmax", "fmax", to_opt_float), _f("center", "center", to_bool)),
 )
 
-# the classes a CosyVoice2 recipe builds (checked before any field is read)
-RECIPE_CLASSES: dict[str, str] = {
-    "llm": "Qwen2LM", "flow": "CausalMaskedDiffWithXvec", "flow.encoder": "UpsampleConformerEncoder",
-    "flow.decoder": "CausalConditionalCFM", "flow.decoder.estimator": "CausalConditionalDecoder",
-    "hift": "HiFTGenerator", "hift.f0_predictor": "ConvRNNF0Predictor",
+COSYVOICE2_FIELDS: tuple[Field, ...] = (
+    *_COMMON_FIELDS,
+    *_under("flow.encoder", "flow.encoder",
+            *_same(to_int, "input_size", "output_size", "attention_heads", "linear_units", "num_blocks"),
+            _f("num_up_blocks", "num_up_blocks", to_int, optional=True),
+            _f("static_chunk_size", "static_chunk_size", to_int),
+            _f("pre_lookahead_len", "pre_lookahead_len", to_int, optional=True, default_from="flow.pre_lookahead_len"),
+            _f("upsample_stride", "upsample_stride", to_int, optional=True)),
+    *_under("flow.estimator", "flow.decoder.estimator",
+            *_same(to_int, "in_channels", "out_channels"),
+            _f("channels", "channels", to_ints),
+            *_same(to_int, "attention_head_dim", "n_blocks", "num_mid_blocks", "num_heads"),
+            _f("act_fn", "act_fn", to_str),
+            _f("static_chunk_size", "static_chunk_size", to_int)),
+)
+
+COSYVOICE3_FIELDS: tuple[Field, ...] = (
+    *_COMMON_FIELDS,
+    _f("flow.lookahead_channels", "flow.pre_lookahead_layer.channels", to_int),
+    *_under("flow.estimator", "flow.decoder.estimator",
+            *_same(to_int, "dim", "depth", "heads", "dim_head", "ff_mult", "mel_dim"),
+            _f("mu_dim", "mu_dim", to_int, optional=True, default_from="flow.estimator.mel_dim"),
+            *_same(to_int, "spk_dim", "out_channels", "static_chunk_size"),
+            _f("num_decoding_left_chunks", "num_decoding_left_chunks", to_int, optional=True),
+            _f("long_skip_connection", "long_skip_connection", to_bool, optional=True)),
+    _f("hift.conv_pre_look_right", "hift.conv_pre_look_right", to_int, optional=True),
+)
+
+RECIPE_FIELDS_BY_KIND: dict[str, tuple[Field, ...]] = {"cosyvoice2": COSYVOICE2_FIELDS,
+                                                       "cosyvoice3": COSYVOICE3_FIELDS}
+RECIPE_FIELDS = COSYVOICE2_FIELDS  # the CosyVoice2 table (the random-model writer's)
+
+# the classes each kind's recipe builds (checked before any field is read)
+RECIPE_CLASSES_BY_KIND: dict[str, dict[str, str]] = {
+    "cosyvoice2": {
+        "llm": "Qwen2LM", "flow": "CausalMaskedDiffWithXvec", "flow.encoder": "UpsampleConformerEncoder",
+        "flow.decoder": "CausalConditionalCFM", "flow.decoder.estimator": "CausalConditionalDecoder",
+        "hift": "HiFTGenerator", "hift.f0_predictor": "ConvRNNF0Predictor",
+    },
+    "cosyvoice3": {
+        "llm": "CosyVoice3LM", "flow": "CausalMaskedDiffWithDiT", "flow.pre_lookahead_layer": "PreLookaheadLayer",
+        "flow.decoder": "CausalConditionalCFM", "flow.decoder.estimator": "DiT",
+        "hift": "CausalHiFTGenerator", "hift.f0_predictor": "CausalConvRNNF0Predictor",
+    },
 }
+RECIPE_CLASSES = RECIPE_CLASSES_BY_KIND["cosyvoice2"]
+_PRETTY = {"cosyvoice2": "CosyVoice2", "cosyvoice3": "CosyVoice3"}
+
+
+def base_dims(kind: str) -> ModelDims:
+    """The defaults a kind's recipe is read over (fields a recipe leaves out keep these)."""
+    return cosyvoice3_dims() if kind == "cosyvoice3" else ModelDims()
 
 QWEN_FIELDS: tuple[Field, ...] = (
     _f("hidden_size", "hidden_size", to_int),
@@ -201,26 +237,26 @@ def _dims_value(dims, path: str):
     return dims
 
 
-def _build(cls, flat: Mapping[str, Any], prefix: str = ""):
-    """`cls` with the fields named in `flat` (dotted paths under `prefix`), the rest at their defaults."""
-    defaults, kwargs = cls(), {}
-    for f in dataclasses.fields(cls):
+def _build(defaults, flat: Mapping[str, Any], prefix: str = ""):
+    """`defaults` (a dims instance) with the fields named in `flat` (dotted paths under `prefix`) replaced."""
+    kwargs = {}
+    for f in dataclasses.fields(defaults):
         path = prefix + f.name
         if path in flat:
             kwargs[f.name] = flat[path]
         elif dataclasses.is_dataclass(sub := getattr(defaults, f.name)):
-            kwargs[f.name] = _build(type(sub), flat, path + ".")
-    return cls(**kwargs)
+            kwargs[f.name] = _build(sub, flat, path + ".")
+    return dataclasses.replace(defaults, **kwargs)
 
 
-def _read_flat(data, fields: tuple[Field, ...], cls, file: str) -> dict[str, Any]:
+def _read_flat(data, fields: tuple[Field, ...], defaults, file: str) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for f in fields:
         raw = next((v for k in f.keys if (v := _lookup(data, k)) is not _MISSING), _MISSING)
         if raw is _MISSING:
             if not f.optional:
                 raise ModelDirError(file, f"missing key {_missing_prefix(data, f.keys[0])}")
-            flat[f.dims] = flat[f.default_from] if f.default_from else _dims_value(cls(), f.dims)
+            flat[f.dims] = flat[f.default_from] if f.default_from else _dims_value(defaults, f.dims)
             continue
         try:
             flat[f.dims] = f.convert(raw)
@@ -230,25 +266,28 @@ def _read_flat(data, fields: tuple[Field, ...], cls, file: str) -> dict[str, Any
     return flat
 
 
-def check_classes(recipe: Mapping[str, Any], file: str = YAML_FILE) -> None:
-    for key, name in RECIPE_CLASSES.items():
+def check_classes(recipe: Mapping[str, Any], file: str = YAML_FILE, kind: str = "cosyvoice2") -> None:
+    for key, name in RECIPE_CLASSES_BY_KIND[kind].items():
         node = _lookup(recipe, key)
         if node is _MISSING:
             raise ModelDirError(file, f"missing key {_missing_prefix(recipe, key)}")
         if not isinstance(node, Tagged) or node.class_name != name:
             got = node.target if isinstance(node, Tagged) else repr(node)
-            raise ModelDirError(file, f"{key} is {got}, expected {name} (CosyVoice2)")
+            raise ModelDirError(file, f"{key} is {got}, expected {name} ({_PRETTY[kind]})")
 
 
-def read_dims(recipe: Mapping[str, Any], qwen: Qwen2Dims, file: str = YAML_FILE) -> ModelDims:
-    """`ModelDims` from a resolved `cosyvoice2.yaml` recipe and the backbone shape (no consistency checks)."""
-    check_classes(recipe, file)
-    return _build(ModelDims, {**_read_flat(recipe, RECIPE_FIELDS, ModelDims, file), "lm.qwen": qwen})
+def read_dims(recipe: Mapping[str, Any], qwen: Qwen2Dims, file: str = YAML_FILE,
+              kind: str = "cosyvoice2") -> ModelDims:
+    """`ModelDims` of a `kind` from its resolved recipe (`cosyvoice2.yaml` / `cosyvoice3.yaml`) and the
+    backbone shape (no consistency checks)."""
+    check_classes(recipe, file, kind)
+    defaults = base_dims(kind)
+    return _build(defaults, {**_read_flat(recipe, RECIPE_FIELDS_BY_KIND[kind], defaults, file), "lm.qwen": qwen})
 
 
 def read_qwen_dims(config: Mapping[str, Any], file: str) -> Qwen2Dims:
     """`Qwen2Dims` from a Qwen2 `config.json` object (no consistency checks)."""
-    return _build(Qwen2Dims, _read_flat(config, QWEN_FIELDS, Qwen2Dims, file))
+    return _build(Qwen2Dims(), _read_flat(config, QWEN_FIELDS, Qwen2Dims(), file))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,14 +345,15 @@ def _edit(root: yaml.Node, f: Field, value, field_keys: set[str]) -> tuple[tuple
 
 
 def write_recipe(dims: ModelDims, template: str) -> str:
-    """`template` (a `cosyvoice2.yaml`) edited so that it reads back as `dims`; untouched text (comments,
-    tags, `!ref`s that still resolve to the right value) is kept byte for byte."""
-    field_keys = {k for f in RECIPE_FIELDS for k in f.keys}
-    want = {f.dims: _dims_value(dims, f.dims) for f in RECIPE_FIELDS}
+    """`template` (a `cosyvoice2.yaml` or `cosyvoice3.yaml`, as `dims.kind`) edited so that it reads back as
+    `dims`; untouched text (comments, tags, `!ref`s that still resolve to the right value) is kept byte for byte."""
+    fields = RECIPE_FIELDS_BY_KIND[dims.kind]
+    field_keys = {k for f in fields for k in f.keys}
+    want = {f.dims: _dims_value(dims, f.dims) for f in fields}
     text = template
-    for _ in range(len(RECIPE_FIELDS)):
-        have = _read_flat(load_recipe(text), RECIPE_FIELDS, ModelDims, "template")
-        wrong = [f for f in RECIPE_FIELDS if have[f.dims] != want[f.dims]]
+    for _ in range(len(fields)):
+        have = _read_flat(load_recipe(text), fields, base_dims(dims.kind), "template")
+        wrong = [f for f in fields if have[f.dims] != want[f.dims]]
         if not wrong:
             return text
         root = yaml.compose(text, Loader=RecipeLoader)

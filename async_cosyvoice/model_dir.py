@@ -1,8 +1,11 @@
-"""Read an official CosyVoice2 model directory (`iic/CosyVoice2-0.5B` layout) without upstream code.
+"""Read an official CosyVoice2 or CosyVoice3 model directory (`iic/CosyVoice2-0.5B`,
+`FunAudioLLM/Fun-CosyVoice3-0.5B-2512` layouts) without upstream code.
 
-- `cosyvoice2.yaml` is parsed by the tag-aware loader of `recipe.py` (`!new:` / `!name:` / `!apply:` kept as
+- The model kind comes from the directory, as upstream's `AutoModel` decides it: the first of
+  `cosyvoice.yaml` (CosyVoice v1: refused), `cosyvoice2.yaml`, `cosyvoice3.yaml` that exists.
+- The yaml is parsed by the tag-aware loader of `recipe.py` (`!new:` / `!name:` / `!apply:` kept as
   `Tagged` data, `!ref` resolved); the typed `ModelDims` come from it plus `CosyVoice-BlankEN/config.json`
-  (backbone shape) through the one table of `dims_map.py`.
+  (backbone shape) through the tables of `dims_map.py`.
 - State dicts are loaded with `torch.load(weights_only=True)` and normalized to the key names our modules
   use: the Qwen2 backbone moves to `backbone.*`, HiFT weight norm is folded into plain weights.
 - Every problem raises `ModelDirError` naming the file and what was expected.
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import json
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,26 +22,39 @@ from typing import Any, NamedTuple
 import torch
 
 from async_cosyvoice.dims_map import read_dims, read_qwen_dims
-from async_cosyvoice.errors import ModelDirError
+from async_cosyvoice.errors import ModelDirError, Unsupported
 from async_cosyvoice.frontend.tokenizer import TextTokenizer
-from async_cosyvoice.models.dims import ModelDims, Qwen2Dims
+from async_cosyvoice.models.cosyvoice3.flow import DiTFlow
+from async_cosyvoice.models.cosyvoice3.hift import F0_PREDICTOR_PREFIX, CausalHiFT
+from async_cosyvoice.models.cosyvoice3.nsf_noise import FixedNSFNoise
+from async_cosyvoice.models.dims import DiTFlowDims, HiFTDims, ModelDims, Qwen2Dims
 from async_cosyvoice.models.flow.flow import Flow
 from async_cosyvoice.models.hift import HiFT
-from async_cosyvoice.models.llm import CosyVoice2LM
-from async_cosyvoice.recipe import YAML_FILE, load_recipe
+from async_cosyvoice.models.llm import LM_CLASSES
+from async_cosyvoice.recipe import YAML_FILE, YAML_FILES, load_recipe
 
 BLANK_EN_DIR = "CosyVoice-BlankEN"
 QWEN_CONFIG = f"{BLANK_EN_DIR}/config.json"
 LLM_FILE, FLOW_FILE, HIFT_FILE = "llm.pt", "flow.pt", "hift.pt"
 CAMPPLUS_FILE = "campplus.onnx"
 SPEECH_TOKENIZER_FILE = "speech_tokenizer_v2.onnx"
+SPEECH_TOKENIZER_FILES = {"cosyvoice2": SPEECH_TOKENIZER_FILE, "cosyvoice3": "speech_tokenizer_v3.onnx"}
+YAML_FILE_OF = {kind: name for name, kind in YAML_FILES.items()}
 SPK2INFO_FILE = "spk2info.pt"
 REQUIRED_FILES = (YAML_FILE, QWEN_CONFIG, LLM_FILE, FLOW_FILE, HIFT_FILE, CAMPPLUS_FILE,
                   SPEECH_TOKENIZER_FILE)
 
+
+def required_files(kind: str) -> tuple[str, ...]:
+    return (YAML_FILE_OF[kind], QWEN_CONFIG, LLM_FILE, FLOW_FILE, HIFT_FILE, CAMPPLUS_FILE,
+            SPEECH_TOKENIZER_FILES[kind])
+
+
 LLM_BACKBONE_PREFIX = "llm.model.model."
 LLM_TIED_HEAD = "llm.model.lm_head.weight"
 LLM_OWN_KEYS = ("llm_embedding.weight", "speech_embedding.weight", "llm_decoder.weight", "llm_decoder.bias")
+# CosyVoice3LM: sos/task are speech_embedding rows (no llm_embedding) and llm_decoder has no bias
+LLM_OWN_KEYS_BY_KIND = {"cosyvoice2": LLM_OWN_KEYS, "cosyvoice3": ("speech_embedding.weight", "llm_decoder.weight")}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -53,9 +69,10 @@ def qwen2_dims_from_config(config: Mapping[str, Any], file: str = QWEN_CONFIG) -
     return d
 
 
-def model_dims_from_recipe(recipe: Mapping[str, Any], qwen: Qwen2Dims, file: str = YAML_FILE) -> ModelDims:
-    """Typed `ModelDims` from a resolved `cosyvoice2.yaml` recipe and the backbone shape (`dims_map.py`)."""
-    dims = read_dims(recipe, qwen, file)
+def model_dims_from_recipe(recipe: Mapping[str, Any], qwen: Qwen2Dims, file: str = YAML_FILE,
+                           kind: str = "cosyvoice2") -> ModelDims:
+    """Typed `ModelDims` from a resolved recipe of `kind` and the backbone shape (`dims_map.py`)."""
+    dims = read_dims(recipe, qwen, file, kind)
     _check_consistency(dims, file)
     return dims
 
@@ -65,12 +82,19 @@ def _check_consistency(d: ModelDims, file: str) -> None:
     if d.lm.llm_input_size != d.lm.qwen.hidden_size or d.lm.llm_output_size != d.lm.qwen.hidden_size:
         problems.append(f"llm_input_size/llm_output_size {d.lm.llm_input_size}/{d.lm.llm_output_size} "
                         f"!= {QWEN_CONFIG} hidden_size {d.lm.qwen.hidden_size}")
-    if d.flow.estimator.in_channels != 4 * d.flow.output_size:
-        problems.append(f"flow.decoder.estimator.in_channels {d.flow.estimator.in_channels} != 4 * "
-                        f"flow.output_size {d.flow.output_size} ([x, mu, spks, cond])")
-    if d.flow.encoder.output_size % d.flow.encoder.attention_heads:
-        problems.append(f"flow.encoder.output_size {d.flow.encoder.output_size} is not divisible by "
-                        f"attention_heads {d.flow.encoder.attention_heads}")
+    if d.kind == "cosyvoice3":
+        e = d.flow.estimator
+        if not (e.mel_dim == e.mu_dim == e.out_channels == d.flow.output_size == d.flow.input_size):
+            problems.append(f"flow.decoder.estimator mel_dim/mu_dim/out_channels {e.mel_dim}/{e.mu_dim}/"
+                            f"{e.out_channels} and flow input_size/output_size {d.flow.input_size}/"
+                            f"{d.flow.output_size} differ (CosyVoice3's mu is the look-ahead output)")
+    else:
+        if d.flow.estimator.in_channels != 4 * d.flow.output_size:
+            problems.append(f"flow.decoder.estimator.in_channels {d.flow.estimator.in_channels} != 4 * "
+                            f"flow.output_size {d.flow.output_size} ([x, mu, spks, cond])")
+        if d.flow.encoder.output_size % d.flow.encoder.attention_heads:
+            problems.append(f"flow.encoder.output_size {d.flow.encoder.output_size} is not divisible by "
+                            f"attention_heads {d.flow.encoder.attention_heads}")
     h = d.hift
     if not (len(h.upsample_rates) == len(h.upsample_kernel_sizes) == len(h.source_resblock_kernel_sizes)
             == len(h.source_resblock_dilation_sizes)):
@@ -157,9 +181,10 @@ def load_state_dict_file(path: Path, file: str) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
-def normalize_llm_state_dict(sd: Mapping[str, torch.Tensor], file: str = LLM_FILE) -> dict[str, torch.Tensor]:
+def normalize_llm_state_dict(sd: Mapping[str, torch.Tensor], file: str = LLM_FILE,
+                             kind: str = "cosyvoice2") -> dict[str, torch.Tensor]:
     """`llm.model.model.X` -> `backbone.X`; the tied, unused `llm.model.lm_head.weight` is dropped."""
-    missing = [k for k in (LLM_TIED_HEAD, *LLM_OWN_KEYS) if k not in sd]
+    missing = [k for k in (LLM_TIED_HEAD, *LLM_OWN_KEYS_BY_KIND[kind]) if k not in sd]
     if not any(k.startswith(LLM_BACKBONE_PREFIX) for k in sd):
         missing.insert(0, f"{LLM_BACKBONE_PREFIX}*")
     if missing:
@@ -194,6 +219,15 @@ class ModelDir:
         return self.path / name
 
     @property
+    def kind(self) -> str:
+        """"cosyvoice2" or "cosyvoice3": which yaml the directory holds."""
+        return self.dims.kind
+
+    @property
+    def yaml_file(self) -> str:
+        return YAML_FILE_OF[self.kind]
+
+    @property
     def blank_en_dir(self) -> Path:
         return self.path / BLANK_EN_DIR
 
@@ -203,7 +237,7 @@ class ModelDir:
 
     @property
     def speech_tokenizer_onnx(self) -> Path:
-        return self.path / SPEECH_TOKENIZER_FILE
+        return self.path / SPEECH_TOKENIZER_FILES[self.kind]
 
     @property
     def spk2info_path(self) -> Path | None:
@@ -211,18 +245,20 @@ class ModelDir:
         return p if p.is_file() else None
 
     def llm_state_dict(self) -> dict[str, torch.Tensor]:
-        return normalize_llm_state_dict(load_state_dict_file(self.path / LLM_FILE, LLM_FILE))
+        return normalize_llm_state_dict(load_state_dict_file(self.path / LLM_FILE, LLM_FILE), kind=self.kind)
 
     def flow_state_dict(self) -> dict[str, torch.Tensor]:
         return load_state_dict_file(self.path / FLOW_FILE, FLOW_FILE)
 
     def hift_state_dict(self) -> dict[str, torch.Tensor]:
-        return normalize_hift_state_dict(load_state_dict_file(self.path / HIFT_FILE, HIFT_FILE))
+        # CosyVoice3's F0 predictor runs in float64 upstream, its weight norm folded in float64 too
+        float64 = (F0_PREDICTOR_PREFIX,) if self.kind == "cosyvoice3" else ()
+        return normalize_hift_state_dict(load_state_dict_file(self.path / HIFT_FILE, HIFT_FILE), float64_under=float64)
 
     def tokenizer(self):
-        """The CosyVoice2 `TextTokenizer` of this directory (cached per directory)."""
+        """The `TextTokenizer` of this directory's kind (cached per directory)."""
         try:
-            return TextTokenizer.from_dir(self.blank_en_dir)
+            return TextTokenizer.from_dir(self.blank_en_dir, kind=self.kind)
         except ModelDirError as e:
             file = BLANK_EN_DIR if e.file == BLANK_EN_DIR else f"{BLANK_EN_DIR}/{e.file}"
             raise ModelDirError(file, e.message) from e
@@ -241,23 +277,35 @@ def _read_qwen_config(root: Path) -> dict:
     return data
 
 
+def model_kind(root: Path) -> str:
+    """The kind of model directory `root`, by upstream `AutoModel`'s rule: the first of
+    `cosyvoice.yaml`, `cosyvoice2.yaml`, `cosyvoice3.yaml` present decides."""
+    for name, kind in YAML_FILES.items():
+        if (root / name).is_file():
+            if kind == "cosyvoice1":
+                raise ModelDirError(name, f"{root} is a CosyVoice (v1) model directory, which this server does "
+                                          "not serve; use CosyVoice2-0.5B (cosyvoice2.yaml) or "
+                                          "Fun-CosyVoice3-0.5B (cosyvoice3.yaml)")
+            return kind
+    raise ModelDirError(YAML_FILE, f"missing in {root}: a model directory holds cosyvoice2.yaml (CosyVoice2) or "
+                                   "cosyvoice3.yaml (CosyVoice3)")
+
+
 def load_model_dir(path: str | Path) -> ModelDir:
-    """Parse and check an official-format CosyVoice2 model directory (weights are loaded lazily)."""
+    """Parse and check an official-format CosyVoice2 or CosyVoice3 model directory (weights are loaded
+    lazily); the kind is the directory's (`model_kind`)."""
     root = Path(path).expanduser().resolve()
     if not root.is_dir():
-        raise ModelDirError(str(path), "not a directory (expected a CosyVoice2 model directory)")
-    yaml_path = root / YAML_FILE
-    if not yaml_path.is_file():
-        other = [n for n in ("cosyvoice3.yaml", "cosyvoice.yaml") if (root / n).is_file()]
-        hint = f"; found {other[0]}: only CosyVoice2 directories are supported" if other else ""
-        raise ModelDirError(YAML_FILE, f"missing in {root}{hint}")
+        raise ModelDirError(str(path), "not a directory (expected a CosyVoice2 or CosyVoice3 model directory)")
+    kind = model_kind(root)
+    yaml_file = YAML_FILE_OF[kind]
     try:
-        text = yaml_path.read_text(encoding="utf-8")
+        text = (root / yaml_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ModelDirError(YAML_FILE, f"unreadable ({e})") from e
-    recipe = load_recipe(text, overrides={"qwen_pretrain_path": str(root / BLANK_EN_DIR)})
-    dims = model_dims_from_recipe(recipe, qwen2_dims_from_config(_read_qwen_config(root)))
-    for name in REQUIRED_FILES:
+        raise ModelDirError(yaml_file, f"unreadable ({e})") from e
+    recipe = load_recipe(text, overrides={"qwen_pretrain_path": str(root / BLANK_EN_DIR)}, file=yaml_file)
+    dims = model_dims_from_recipe(recipe, qwen2_dims_from_config(_read_qwen_config(root)), yaml_file, kind)
+    for name in required_files(kind):
         if not (root / name).is_file():
             raise ModelDirError(name, f"missing in {root}")
     return ModelDir(root, dims, recipe)
@@ -287,6 +335,18 @@ def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     module.load_state_dict(dict(state_dict), strict=True)
 
 
+def _cosyvoice3_hift(dims: HiFTDims, flow: DiTFlowDims) -> CausalHiFT:
+    """CausalHiFT with upstream's NSF noise, which the yaml draws at construction (not in hift.pt)."""
+    return CausalHiFT(dims, FixedNSFNoise.replay(flow, dims))
+
+
+# the flow and vocoder of each kind: (flow class, vocoder factory(hift dims, flow dims))
+TOKEN2WAV_CLASSES: dict[str, tuple[Callable, Callable]] = {
+    "cosyvoice2": (Flow, lambda dims, flow: HiFT(dims)),
+    "cosyvoice3": (DiTFlow, _cosyvoice3_hift),
+}
+
+
 class Models(NamedTuple):
     llm: torch.nn.Module | None
     flow: torch.nn.Module | None
@@ -296,20 +356,26 @@ class Models(NamedTuple):
 def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, llm_dtype: torch.dtype | None = None,
                  with_llm: bool = True, with_token2wav: bool = True) -> Models:
-    """Build `CosyVoice2LM`, `Flow` and `HiFT` from the dims, load the weights strictly, move them to
-    `device` (flow in `dtype`, the LM in `llm_dtype` (default `dtype`), HiFT always float32) and put
-    them in eval mode. `with_llm=False` leaves `Models.llm` None (an engine that loads the LM itself);
+    """Build the directory kind's LM, flow and HiFT from the dims (`CosyVoice2LM`, `Flow`, `HiFT` or
+    their CosyVoice3 counterparts), load the weights strictly, move them to `device` (flow in `dtype`,
+    the LM in `llm_dtype` (default `dtype`), HiFT always float32) and put them in eval mode.
+    `with_llm=False` leaves `Models.llm` None (an engine that loads the LM itself);
     `with_token2wav=False` leaves `flow` and `hift` None (a device that runs only the LM)."""
     md = model_dir if isinstance(model_dir, ModelDir) else load_model_dir(model_dir)
+    if with_token2wav and md.kind not in TOKEN2WAV_CLASSES:
+        raise Unsupported(f"{md.yaml_file}: this build has no {md.kind} flow and vocoder; only its LM loads")
+    flow_cls, hift_cls = TOKEN2WAV_CLASSES.get(md.kind, (None, None))
 
-    def load(cls, dims, state_dict, file: str, mod_dtype: torch.dtype) -> torch.nn.Module:
-        module = cls(dims)
+    def load(make, dims, state_dict, file: str, mod_dtype: torch.dtype) -> torch.nn.Module:
+        module = make(dims)
         sd = state_dict()
         load_strict(module, sd, file)
         del sd
         return module.to(device=device, dtype=mod_dtype).eval()
 
     return Models(
-        llm=load(CosyVoice2LM, md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype) if with_llm else None,
-        flow=load(Flow, md.dims.flow, md.flow_state_dict, FLOW_FILE, dtype) if with_token2wav else None,
-        hift=load(HiFT, md.dims.hift, md.hift_state_dict, HIFT_FILE, torch.float32) if with_token2wav else None)
+        llm=load(LM_CLASSES[md.kind], md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype)
+        if with_llm else None,
+        flow=load(flow_cls, md.dims.flow, md.flow_state_dict, FLOW_FILE, dtype) if with_token2wav else None,
+        hift=load(lambda d: hift_cls(d, md.dims.flow), md.dims.hift, md.hift_state_dict, HIFT_FILE, torch.float32)
+        if with_token2wav else None)

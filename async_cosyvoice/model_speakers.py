@@ -14,7 +14,7 @@ from typing import Callable
 
 from .errors import InvalidRequest, SpeakerExists, SpeakerNotFound, Unsupported
 from .frontend.spk2info import Tokenize, load_spk2info
-from .speakers import SpeakerInfo, SpeakerRecord, SpeakerStoreBase, validate_speaker_id
+from .speakers import LEGACY_MODEL_KIND, SpeakerInfo, SpeakerRecord, SpeakerStoreBase, validate_speaker_id
 
 log = logging.getLogger(__name__)
 
@@ -22,15 +22,17 @@ SPK2INFO = "spk2info.pt"
 
 
 def with_model_speakers(store: SpeakerStoreBase, model_dir: Path | None,
-                        tokenize: Tokenize | None = None) -> SpeakerStoreBase:
-    """`store`, plus the speakers of `model_dir`/spk2info.pt where it has any."""
+                        tokenize: Tokenize | None = None, model_kind: str = LEGACY_MODEL_KIND) -> SpeakerStoreBase:
+    """`store`, plus the speakers of `model_dir`/spk2info.pt where it has any (speakers of
+    `model_kind`, the directory's)."""
     if model_dir is None or not (Path(model_dir) / SPK2INFO).is_file():
         return store
-    records = read_model_speakers(Path(model_dir) / SPK2INFO, tokenize)
+    records = read_model_speakers(Path(model_dir) / SPK2INFO, tokenize, model_kind)
     return ModelDirSpeakers(store, Path(model_dir) / SPK2INFO, records) if records else store
 
 
-def read_model_speakers(path: Path, tokenize: Tokenize | None = None) -> dict[str, SpeakerRecord]:
+def read_model_speakers(path: Path, tokenize: Tokenize | None = None,
+                        model_kind: str = LEGACY_MODEL_KIND) -> dict[str, SpeakerRecord]:
     """The usable entries of a model directory's spk2info.pt; an unusable file or entry is logged
     and left out (the store's speakers still serve)."""
     try:
@@ -41,7 +43,8 @@ def read_model_speakers(path: Path, tokenize: Tokenize | None = None) -> dict[st
     records = {}
     for speaker_id, voice in voices.items():
         try:
-            records[speaker_id] = SpeakerRecord(validate_speaker_id(speaker_id), voice, created_at=0.0)
+            records[speaker_id] = SpeakerRecord(validate_speaker_id(speaker_id), voice, created_at=0.0,
+                                                model_kind=model_kind)
         except InvalidRequest as e:
             log.warning("%s: speaker %r left out (%s); import it under another id with "
                         "SpeakerStore.import_spk2info(rename=...)", path, speaker_id, e)
@@ -103,10 +106,12 @@ class ModelDirSpeakers(SpeakerStoreBase):
         model = [r.info for i, r in self.records.items() if i not in shadowed]
         return sorted(stored + model, key=lambda i: i.speaker_id)
 
-    def import_spk2info(self, path, overwrite: bool = False, rename=None, tokenize=None) -> list[str]:
+    def import_spk2info(self, path, overwrite: bool = False, rename=None, tokenize=None,
+                        model_kind: str = LEGACY_MODEL_KIND) -> list[str]:
         """Into the store, as deliberate records (checked against the store only): they shadow the
         model directory's speakers of the same ids, e.g. an import of the model's own file."""
-        return self.store.import_spk2info(path, overwrite=overwrite, rename=rename, tokenize=tokenize)
+        return self.store.import_spk2info(path, overwrite=overwrite, rename=rename, tokenize=tokenize,
+                                          model_kind=model_kind)
 
     def unreadable_records(self) -> list[tuple[str, str]]:
         return self.store.unreadable_records()

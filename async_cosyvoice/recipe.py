@@ -1,4 +1,4 @@
-"""Tag-aware loader for HyperPyYAML recipes (`cosyvoice2.yaml`), without upstream code.
+"""Tag-aware loader for HyperPyYAML recipes (`cosyvoice2.yaml`, `cosyvoice3.yaml`), without upstream code.
 
 `!new:` / `!name:` / `!apply:` nodes are kept as data (`Tagged`, never imported or called); `!ref` and
 `!copy` are resolved, including `<a> * <b>` arithmetic; `!tuple` makes a tuple. Floats and booleans follow
@@ -18,6 +18,9 @@ import yaml
 from async_cosyvoice.errors import ModelDirError
 
 YAML_FILE = "cosyvoice2.yaml"  # the recipe of an official CosyVoice2 model directory
+# the recipe file names upstream's AutoModel looks for, in its order, and the model each one means
+YAML_FILES: dict[str, str] = {"cosyvoice.yaml": "cosyvoice1", "cosyvoice2.yaml": "cosyvoice2",
+                              "cosyvoice3.yaml": "cosyvoice3"}
 
 
 @dataclass(frozen=True)

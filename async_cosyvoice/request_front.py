@@ -25,7 +25,7 @@ import torch
 from .config import Config
 from .cost import audio_bytes, utterance_bytes
 from .errors import InvalidRequest, TextTimeout, Unsupported
-from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
+from .frontend.model_input import MODE_SPECS, ModelInput, SystemPrompt, build_model_input, instruction_text
 from .frontend.prompt import PromptEncoder
 from .frontend.sentences import complete_sentences
 from .frontend.stream_text import StreamTextNormalizer
@@ -36,7 +36,7 @@ from .model_dir import ModelDir
 from .models.dims import ModelDims
 from .model_speakers import with_model_speakers
 from .request import FLUSH, Audio, SynthesisRequest, Voice
-from .rules import ENDOFPROMPT, RequestRules
+from .rules import RequestRules
 from .speaker_store import open_speaker_store
 from .speakers import SpeakerRecord, SpeakerStoreBase, VoiceFit, validate_speaker_id
 
@@ -75,13 +75,16 @@ async def checked_pieces(text: AsyncIterable[str | object], idle_seconds: float,
 
 class RequestFront:
     def __init__(self, *, config: Config, dims: ModelDims, tokenizer: TextTokenizer, text_frontend: TextFrontend,
-                 prompt_encoder: PromptEncoder, speakers: SpeakerStoreBase):
+                 prompt_encoder: PromptEncoder, speakers: SpeakerStoreBase, model_kind: str = "cosyvoice2"):
         self.config = config
         self.dims = dims
         self.rules = RequestRules.from_config(config)
         lim = config.limits
         # max_request None here: the device's memory, set by the owner once known (`limit_to_device`)
         self.budget = MemoryBudget(lim.max_request_bytes, lim.memory_budget_bytes, lim.admission_wait_seconds)
+        self.model_kind = model_kind  # the model directory's: its speakers, prompts and instruction text
+        # CosyVoice3: `You are a helpful assistant.<|endofprompt|>` where a request's LM text lacks it
+        self.system_prompt = SystemPrompt.for_tokenizer(tokenizer.encode, model_kind)
         self.tokenizer = tokenizer
         self.text_frontend = text_frontend
         self.prompt_encoder = prompt_encoder
@@ -101,11 +104,12 @@ class RequestFront:
                         "(upstream's behaviour when no normalizer is installed)", e)
             text_frontend = TextFrontend(tokenizer, use_wetext=False)
         text_frontend.preload()
-        prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat)
+        prompt_encoder = PromptEncoder.from_model_dir(model_dir.path, mel=model_dir.dims.feat,
+                                                      speech_tokenizer=model_dir.speech_tokenizer_onnx.name)
         speakers = with_model_speakers(open_speaker_store(config.speakers, fit=VoiceFit.of(model_dir.dims)),
-                                       model_dir.path, tokenizer.encode)
+                                       model_dir.path, tokenizer.encode, model_kind=model_dir.kind)
         return cls(config=config, dims=model_dir.dims, tokenizer=tokenizer, text_frontend=text_frontend,
-                   prompt_encoder=prompt_encoder, speakers=speakers)
+                   prompt_encoder=prompt_encoder, speakers=speakers, model_kind=model_dir.kind)
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False, cancel_futures=True)
@@ -165,7 +169,13 @@ class RequestFront:
         transcript where the mode uses one) or a stored speaker. Every mode takes a prepared voice."""
         spec = MODE_SPECS[request.mode]
         if spec.voice == "speaker":
-            voice = (await self.in_cpu(self.speakers.get, request.speaker_id)).voice
+            record = await self.in_cpu(self.speakers.get, request.speaker_id)
+            if record.model_kind != self.model_kind:
+                raise Unsupported(
+                    f"speaker {request.speaker_id!r} was registered with a {record.model_kind} model and this "
+                    f"server runs {self.model_kind}: its speech tokens and prompt mel belong to the other model; "
+                    "register the speaker again on this server (under another id, or with overwrite)")
+            voice = record.voice
             if spec.flow_prompt and voice.kind == "sft":
                 raise Unsupported(f"speaker {request.speaker_id!r} is an embedding-only (sft) speaker; "
                                   f"mode {request.mode.value} needs a zero-shot speaker: use mode sft for it")
@@ -190,7 +200,8 @@ class RequestFront:
         self.rules.check_text(prompt_text, "prompt_text")
         self.rules.check_prompt(audio, "prompt_audio")
         await self.in_cpu(self.speakers.check_put, speaker_id, overwrite)
-        record = SpeakerRecord(speaker_id, await self.in_cpu(self.encode_voice, audio, prompt_text))
+        record = SpeakerRecord(speaker_id, await self.in_cpu(self.encode_voice, audio, prompt_text),
+                               model_kind=self.model_kind)
         await self.in_cpu(self.speakers.put, record, overwrite)
         return record
 
@@ -200,13 +211,17 @@ class RequestFront:
         """What the LM and the flow receive for each text segment of a checked request."""
         if not MODE_SPECS[request.mode].runs_lm:
             source = await self.in_cpu(self.prompt_encoder.source_tokens, request.source_audio)
-            return [build_model_input(request.mode, voice, source_speech_tokens=source)]
+            return [self.model_input(request.mode, voice, source_speech_tokens=source)]
         segments = await self.in_cpu(self.text_segments, request.text, request.options.text_frontend)
         if not segments:
             raise InvalidRequest("text has nothing to speak after normalization (only punctuation?)")
         instruction = await self.in_cpu(self.instruction_tokens, request)
-        return [build_model_input(request.mode, voice, text_tokens=t, instruction_tokens=instruction)
+        return [self.model_input(request.mode, voice, text_tokens=t, instruction_tokens=instruction)
                 for t in segments]
+
+    def model_input(self, mode, voice: Voice, **parts) -> ModelInput:
+        """`build_model_input` with this model's system prompt (CosyVoice3's; none for CosyVoice2)."""
+        return build_model_input(mode, voice, system_prompt=self.system_prompt, **parts)
 
     def text_segments(self, text: str, text_frontend: bool) -> list[list[int]]:
         """CPU pool: normalise + split + tokenize."""
@@ -216,10 +231,8 @@ class RequestFront:
     def instruction_tokens(self, request: SynthesisRequest) -> list[int]:
         if MODE_SPECS[request.mode].lm_prompt_text != "instruction":
             return []
-        instruction = request.instruct_text
-        if ENDOFPROMPT not in instruction:  # upstream HEAD requires the caller to add it
-            instruction += ENDOFPROMPT
-        return self.tokenizer.encode(instruction)
+        # upstream HEAD requires the caller to add <|endofprompt|> (CosyVoice3: and the system prompt)
+        return self.tokenizer.encode(instruction_text(request.instruct_text, self.model_kind))
 
     # -- text streams ---------------------------------------------------------------------------------
 

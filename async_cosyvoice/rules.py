@@ -16,11 +16,10 @@ import numpy as np
 from .config import Config
 from .errors import InvalidRequest
 from .frontend.audio import check_sample_rate
-from .frontend.model_input import MODE_SPECS
+from .frontend.model_input import ENDOFPROMPT, MODE_SPECS
 from .request import SEED_MAX, Audio, Mode, SynthesisOptions, SynthesisRequest
 from .speakers import validate_speaker_id
 
-ENDOFPROMPT = "<|endofprompt|>"
 SPEED_RANGE = (0.5, 2.0)
 MAX_FIRST_HOP = 200
 

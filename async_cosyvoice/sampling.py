@@ -23,11 +23,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
+from .models.dims import SPEECH_TOKEN_SIZE, RASParams
 
 NEG_INF = float("-inf")
-STOP_LO, STOP_HI = min(STOP_TOKENS), max(STOP_TOKENS)
-assert STOP_HI - STOP_LO + 1 == len(STOP_TOKENS)  # contiguous: masked through one slice view
 
 
 # ---------------------------------------------------------------- one row, upstream RNG order
@@ -171,9 +169,11 @@ def ras_log_probs(scores: Tensor, history: Tensor, top_p=0.8, top_k=25, win_size
 
 # ---------------------------------------------------------------- stop rules (both engines)
 
-def suppress_batch(logits: Tensor, n_decoded: Tensor, min_tokens: Tensor, ignore_stop: Tensor) -> Tensor:
-    """On logits [B, V] (in place): EOS (6561 only, as upstream) where n_decoded < min_tokens; every
-    stop id where ignore_stop (benchmarks: never end early)."""
-    logits[:, EOS_TOKEN].masked_fill_(n_decoded < min_tokens, NEG_INF)
-    logits[:, STOP_LO:STOP_HI + 1].masked_fill_(ignore_stop[:, None], NEG_INF)
+def suppress_batch(logits: Tensor, n_decoded: Tensor, min_tokens: Tensor, ignore_stop: Tensor,
+                   speech_token_size: int = SPEECH_TOKEN_SIZE) -> Tensor:
+    """On logits [B, V] (in place): id `speech_token_size` (6561 only, as upstream: CosyVoice2's EOS,
+    CosyVoice3's sos) where n_decoded < min_tokens; every stop id (all ids >= speech_token_size)
+    where ignore_stop (benchmarks: never end early)."""
+    logits[:, speech_token_size].masked_fill_(n_decoded < min_tokens, NEG_INF)
+    logits[:, speech_token_size:].masked_fill_(ignore_stop[:, None], NEG_INF)
     return logits

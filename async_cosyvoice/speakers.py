@@ -44,6 +44,7 @@ from safetensors.numpy import save as st_save
 
 from .errors import InvalidRequest, SpeakerCorrupt, SpeakerExists, SpeakerNotFound
 from .frontend.spk2info import load_spk2info, save_spk2info
+from .models.dims import MODEL_KINDS
 from .request import Voice, VoiceKind
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,10 @@ def speaker_file_name(speaker_id: str) -> str:
     return hashlib.sha256(speaker_id.encode("utf-8")).hexdigest() + SUFFIX
 
 
+# records written before the model kind was stored were CosyVoice2's (the only model then served)
+LEGACY_MODEL_KIND = "cosyvoice2"
+
+
 @dataclass(frozen=True)
 class SpeakerInfo:
     """What listing shows: the record without its arrays (read from the file header only)."""
@@ -97,6 +102,7 @@ class SpeakerInfo:
     prompt_text: str
     n_speech_tokens: int
     created_at: float  # unix seconds
+    model_kind: str = LEGACY_MODEL_KIND  # the model whose speech tokenizer and mel made the voice
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,10 +111,13 @@ class SpeakerRecord:
 
     zero_shot voices carry everything the zero-shot and instruct2 modes need (upstream
     `add_zero_shot_spk`); sft voices the embedding only (upstream `spk2info` `{"embedding": ...}`).
+    `model_kind` ("cosyvoice2" / "cosyvoice3"): the model the voice was made for; its speech tokens
+    and prompt mel mean nothing to the other model, so a server serves only its own kind's speakers.
     """
     speaker_id: str
     voice: Voice
     created_at: float = field(default_factory=time.time)
+    model_kind: str = LEGACY_MODEL_KIND
 
     def __post_init__(self):
         validate_speaker_id(self.speaker_id)
@@ -119,10 +128,15 @@ class SpeakerRecord:
                 f"zero_shot speaker {self.speaker_id!r}: speech_feat has {self.voice.speech_feat.shape[0]} "
                 f"frames, expected 2 x {self.voice.n_tokens} speech tokens")
         object.__setattr__(self, "created_at", float(self.created_at))
+        if self.model_kind not in MODEL_KINDS:
+            raise InvalidRequest(f"speaker {self.speaker_id!r}: model_kind must be one of {MODEL_KINDS}, "
+                                 f"got {self.model_kind!r}")
 
     @classmethod
-    def sft(cls, speaker_id: str, embedding, created_at: float | None = None) -> "SpeakerRecord":
-        return cls(speaker_id, Voice.embedding_only(embedding), time.time() if created_at is None else created_at)
+    def sft(cls, speaker_id: str, embedding, created_at: float | None = None,
+            model_kind: str = LEGACY_MODEL_KIND) -> "SpeakerRecord":
+        return cls(speaker_id, Voice.embedding_only(embedding), time.time() if created_at is None else created_at,
+                   model_kind)
 
     @property
     def kind(self) -> str:
@@ -134,14 +148,16 @@ class SpeakerRecord:
 
     @property
     def info(self) -> SpeakerInfo:
-        return SpeakerInfo(self.speaker_id, self.kind, self.prompt_text, self.voice.n_tokens, self.created_at)
+        return SpeakerInfo(self.speaker_id, self.kind, self.prompt_text, self.voice.n_tokens, self.created_at,
+                           self.model_kind)
 
     def replace_id(self, speaker_id: str) -> "SpeakerRecord":
-        return SpeakerRecord(speaker_id, self.voice, self.created_at)
+        return SpeakerRecord(speaker_id, self.voice, self.created_at, self.model_kind)
 
     def same_data(self, other: "SpeakerRecord") -> bool:
-        """Equal ids and voices (created_at is not compared)."""
-        return self.speaker_id == other.speaker_id and self.voice.same_data(other.voice)
+        """Equal ids, model kinds and voices (created_at is not compared)."""
+        return (self.speaker_id == other.speaker_id and self.model_kind == other.model_kind
+                and self.voice.same_data(other.voice))
 
     # ---- serialization (safetensors bytes; metadata is string -> string) ----
 
@@ -159,6 +175,7 @@ class SpeakerRecord:
             "prompt_text": self.prompt_text,
             "n_speech_tokens": str(self.voice.n_tokens),
             "created_at": repr(self.created_at),
+            "model_kind": self.model_kind,
         }
         arrays = self._arrays()
         metadata["checksum"] = record_checksum(metadata, arrays)
@@ -181,7 +198,7 @@ class SpeakerRecord:
                                  if stored else f"{source}: the record has no checksum")
         voice = Voice(arrays["speech_tokens"], arrays["speech_feat"], arrays["embedding"], meta.prompt_text,
                       arrays["prompt_text_tokens"], meta.kind)
-        return cls(meta.speaker_id, voice, meta.created_at)
+        return cls(meta.speaker_id, voice, meta.created_at, meta.model_kind)
 
 
 def record_checksum(metadata: Mapping[str, str], arrays: Mapping[str, np.ndarray]) -> str:
@@ -255,7 +272,8 @@ def _info_from_metadata(meta: dict, source: str) -> SpeakerInfo:
         raise ValueError(f"{source}: unsupported speaker file version {meta.get('version')!r}")
     try:
         return SpeakerInfo(meta["speaker_id"], meta["kind"], meta.get("prompt_text", ""),
-                           int(meta.get("n_speech_tokens", 0)), float(meta.get("created_at", 0.0)))
+                           int(meta.get("n_speech_tokens", 0)), float(meta.get("created_at", 0.0)),
+                           meta.get("model_kind", LEGACY_MODEL_KIND))
     except (KeyError, ValueError) as e:
         raise ValueError(f"{source}: bad speaker metadata ({e})") from e
 
@@ -414,10 +432,12 @@ class SpeakerStoreBase(abc.ABC):
 
     def import_spk2info(self, path: str | os.PathLike, overwrite: bool = False,
                         rename: Mapping[str, str] | None = None,
-                        tokenize: Callable[[str], Sequence[int]] | None = None) -> list[str]:
+                        tokenize: Callable[[str], Sequence[int]] | None = None,
+                        model_kind: str = LEGACY_MODEL_KIND) -> list[str]:
         """Import every entry of an upstream (or peer-layout) `spk2info.pt`.
 
-        Entry keys become speaker ids, through `rename` where given. Peer entries that store the
+        The file does not say which model made it: `model_kind` is the model directory's it came
+        with. Entry keys become speaker ids, through `rename` where given. Peer entries that store the
         prompt transcript only as text need `tokenize` (the model's text tokenizer). All ids are
         validated and checked for existence before anything is written. Returns the imported ids.
         """
@@ -430,7 +450,7 @@ class SpeakerStoreBase(abc.ABC):
             except InvalidRequest as e:
                 raise InvalidRequest(f"{path}: entry {key!r} cannot be imported: {e}; "
                                      "map it to a valid id with rename") from None
-            records.append(SpeakerRecord(new_id, voice))
+            records.append(SpeakerRecord(new_id, voice, model_kind=model_kind))
         if not overwrite:
             existing = [r.speaker_id for r in records if self.exists(r.speaker_id)]
             if existing:

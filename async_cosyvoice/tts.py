@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Iterator
 
+import numpy as np
 import torch
 
 from .compile_cache import PersistentCompileCache, open_compile_cache, use_compile_cache
@@ -36,13 +37,14 @@ from .engine.base import (
     first_death,
     length_limits,
 )
+from .engine.silence import SilenceCap, cap_silences
 from .errors import (
     InvalidRequest,
     SpeakerCorrupt,
     SpeakerNotFound,
     StoreUnavailable,
 )
-from .frontend.model_input import MODE_SPECS, ModelInput, build_model_input
+from .frontend.model_input import MODE_SPECS, ModelInput
 from .loop_thread import LoopThread
 from .model_dir import ModelDir, Models, build_models, load_model_dir
 from .models.dims import RASParams
@@ -215,7 +217,7 @@ class Synthesizer:
             if len(chosen) >= self.config.warmup.max_speakers:
                 break
             tokens = speaker_prefix_tokens(info.n_speech_tokens, flow.chunk_tokens, flow.pre_lookahead_len)
-            if info.kind == "sft" or tokens == 0:
+            if info.kind == "sft" or tokens == 0 or info.model_kind != self.dims.kind:
                 continue
             size += state_nbytes(flow, tokens, dtype)
             if size > t2w.flow_cache_speaker_bytes:
@@ -375,7 +377,7 @@ class Synthesizer:
         utterance per list (a text segment), read ahead while the earlier ones speak."""
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
-            model_input = build_model_input(request.mode, voice, instruction_tokens=instruction)
+            model_input = self.front.model_input(request.mode, voice, instruction_tokens=instruction)
             fed = TextFed()
             utterance = self._utterance(request, model_input, 0, playback, last=True,
                                         text_tokens=counted_text(text_tokens, fed), fed=fed)
@@ -389,7 +391,8 @@ class Synthesizer:
             while (item := await segments.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                model_input = build_model_input(request.mode, voice, text_tokens=item, instruction_tokens=instruction)
+                model_input = self.front.model_input(request.mode, voice, text_tokens=item,
+                                                     instruction_tokens=instruction)
                 async for chunk in self._utterance(request, model_input, n, playback, last=False).run():
                     yield chunk
                 n += 1
@@ -442,13 +445,21 @@ class Synthesizer:
                 self.engine.generate_bistream(self._bistream_request(request, model_input), text_tokens), fed)
         else:
             speech = self.engine.generate(self._generation_request(request, model_input, segment))
+        if self.dims.lm.silent_tokens:  # CosyVoice3: long silences never reach the flow (the LM saw them)
+            speech = cap_silences(speech, SilenceCap(self.dims.lm.silent_tokens))
         return Utterance(segment, t2w, batcher, playback, last=last, adaptive=adaptive, speech=speech)
 
     def _bistream_request(self, request: SynthesisRequest, model_input: ModelInput) -> BistreamRequest:
         opts = request.options
+        # the LM text known up front: the prompt text, and CosyVoice3's system prompt where a mode
+        # without prompt text carries it in front of its (streamed) text
+        prompt = np.concatenate([model_input.prompt_text, model_input.text])
+        system_len = 0
+        if self.front.system_prompt is not None:  # CosyVoice3: through the first <|endofprompt|> goes in with sos
+            system_len = int(np.flatnonzero(prompt == self.front.system_prompt.endofprompt)[0]) + 1
         return BistreamRequest(
             request_id=self._engine_request_id(request, 0),
-            prompt_text_tokens=tuple(int(t) for t in model_input.prompt_text),
+            prompt_text_tokens=tuple(int(t) for t in prompt), system_prompt_len=system_len,
             prompt_speech_tokens=tuple(int(t) for t in model_input.llm_prompt_speech_token),
             # the engine's own bound; the length rule proper is _length_rule
             max_tokens=opts.max_tokens or self.config.engine.max_model_len, ras=self._ras(opts), seed=opts.seed)

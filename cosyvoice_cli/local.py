@@ -8,7 +8,9 @@ import time
 from typing import AsyncIterator
 
 from async_cosyvoice.audio_encoding import AudioStreamEncoder
+from async_cosyvoice.demo import resolve_model_dir
 from async_cosyvoice.frontend.audio import load_audio, resample
+from async_cosyvoice.model_dir import model_kind
 from async_cosyvoice.model_speakers import with_model_speakers
 from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.speaker_store import open_speaker_store
@@ -85,16 +87,18 @@ def speakers(args) -> int:
         print(speakers_cli.line(*_info_fields(asyncio.run(_register(config, args)).info)))
         return 0
     store = open_speaker_store(config.speakers)
+    # a spk2info.pt does not say which model made it: the configured model directory's kind
+    kind = model_kind(resolve_model_dir(config.model.dir).resolve())
     if args.action == "import":
-        ids = store.import_spk2info(args.file, overwrite=args.overwrite)
-        print(f"imported {len(ids)} speakers: {', '.join(ids)}")
+        ids = store.import_spk2info(args.file, overwrite=args.overwrite, model_kind=kind)
+        print(f"imported {len(ids)} {kind} speakers: {', '.join(ids)}")
         return 0
     if args.action == "export":
         ids = store.export_spk2info(args.file, args.ids or None)
         print(f"exported {len(ids)} speakers to {args.file}")
         return 0
     # list, show and rm see the model directory's own speakers too, when one is named (the demo has none)
-    speakers = with_model_speakers(store, config.model.dir)
+    speakers = with_model_speakers(store, config.model.dir, model_kind=kind)
     if args.action == "list":
         for info in speakers.infos():
             print(speakers_cli.line(*_info_fields(info)))
@@ -102,7 +106,8 @@ def speakers(args) -> int:
         r = speakers.get(args.id)
         shown = speakers_cli.shown(*_info_fields(r.info))
         shown.update(prompt_text_tokens=int(r.voice.prompt_text_tokens.size),
-                     speech_feat=list(r.voice.speech_feat.shape), embedding=list(r.voice.embedding.shape))
+                     speech_feat=list(r.voice.speech_feat.shape), embedding=list(r.voice.embedding.shape),
+                     model_kind=r.model_kind)
         print(json.dumps(shown, indent=2))
     elif args.action == "rm":
         speakers.delete(args.id)

@@ -123,7 +123,7 @@ async def _speakers(args) -> int:
                 print(speakers_cli.line(*_fields(s)))
         elif args.action == "show":
             s = await client.get_speaker(args.id, timeout=args.timeout)
-            print(json.dumps(speakers_cli.shown(*_fields(s)), indent=2))
+            print(json.dumps({**speakers_cli.shown(*_fields(s)), "model_kind": s.model_kind}, indent=2))
         elif args.action == "rm":
             await client.delete_speaker(args.id, timeout=args.timeout)
             print(f"deleted {args.id}")

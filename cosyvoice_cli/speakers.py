@@ -3,7 +3,10 @@
 ways print the same lines:
 
     list, add:  ID <tab> KIND <tab> PROMPT SECONDS <tab> CREATED (UTC) <tab> PROMPT TEXT
-    show:       a JSON object (in-process it adds the shapes of the stored arrays)
+    show:       a JSON object with the speaker's model kind (in-process it adds the shapes of the
+                stored arrays)
+
+`import` stores the entries of an upstream spk2info.pt as speakers of the configured model's kind.
 
 This module imports no torch (see cli.py).
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 from importlib import metadata
 
 from async_cosyvoice.config import Config
+from async_cosyvoice.demo import served_model_name
 from async_cosyvoice.placement import device_stats
 from async_cosyvoice.request_front import default_text_mode
 from async_cosyvoice.startup import Startup
@@ -16,7 +17,6 @@ pb2, _ = _load_stubs()
 NATIVE_SAMPLE_RATE = 24000
 TEXT_MODES = {"bistream": pb2.TEXT_MODE_BISTREAM, "sentence": pb2.TEXT_MODE_SENTENCE}
 TEXT_NORMALIZATIONS = {"safe": pb2.TEXT_NORMALIZATION_SAFE, "raw": pb2.TEXT_NORMALIZATION_RAW}
-DEFAULT_MODEL_NAME = "cosyvoice2"
 
 
 def _version() -> str:
@@ -39,7 +39,7 @@ def server_info(config: Config, synth, startup: Startup | None = None) -> pb2.Ge
     """`synth`: the Synthesizer, or None while the model loads; `startup`: the server's start."""
     limits = config.limits
     return pb2.GetServerInfoResponse(
-        model=config.server.served_model_name or DEFAULT_MODEL_NAME,
+        model=served_model_name(config),
         modes=[f.name for f in pb2.SynthesizeRequest.DESCRIPTOR.oneofs_by_name["mode"].fields],
         audio_encodings=encoding_info(),
         native_sample_rate=synth.sample_rate if synth is not None else NATIVE_SAMPLE_RATE,

@@ -430,7 +430,8 @@ class CosyVoiceServicer(pb2_grpc.CosyVoiceServicer):
         kind = pb2.SPEAKER_KIND_ZERO_SHOT if info.kind == "zero_shot" else pb2.SPEAKER_KIND_SFT
         return pb2.Speaker(speaker_id=info.speaker_id, kind=kind, prompt_text=info.prompt_text,
                            prompt_speech_tokens=info.n_speech_tokens,
-                           prompt_seconds=info.n_speech_tokens / TOKENS_PER_SECOND, created_at=created)
+                           prompt_seconds=info.n_speech_tokens / TOKENS_PER_SECOND, created_at=created,
+                           model_kind=info.model_kind)
 
     async def _unary(self, method: str, context, body: Callable[[_Call], Awaitable], speaker_id: str = ""):
         call = _Call(method, context)

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from async_cosyvoice.demo import served_model_name
 from async_cosyvoice.errors import InvalidRequest
 from async_cosyvoice.request import AudioChunk, SynthesisOptions, SynthesisRequest
 
@@ -49,7 +50,7 @@ class SpeechRequest(BaseModel):
 
 
 def check_model(backend: Backend, model: str) -> None:
-    served = backend.config.server.served_model_name
+    served = served_model_name(backend.config)
     if model not in (served, *OPENAI_TTS_MODELS):
         raise InvalidRequest(f"model {model!r} is not served; use {served!r} (GET /v1/models) or one of "
                              f"{', '.join(OPENAI_TTS_MODELS)}")

@@ -7,6 +7,7 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 
 from async_cosyvoice.audio_encoding import FORMATS
+from async_cosyvoice.demo import served_model_name
 from async_cosyvoice.errors import InvalidRequest, NotReady, StoreUnavailable
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.speakers import validate_speaker_id
@@ -20,12 +21,13 @@ from .speech import peer
 router = APIRouter()
 health = APIRouter()
 
-TOKENS_PER_SECOND = 25  # CosyVoice2 speech tokens per second of audio
+TOKENS_PER_SECOND = 25  # speech tokens per second of audio (CosyVoice2 and CosyVoice3)
 
 
 def _voice(info, aliases: dict[str, str]) -> dict:
     return {"id": info.speaker_id, "object": "voice", "kind": info.kind, "transcript": info.prompt_text,
             "prompt_seconds": info.n_speech_tokens / TOKENS_PER_SECOND, "created_at": int(info.created_at),
+            "model_kind": info.model_kind,
             "aliases": sorted(a for a, target in aliases.items() if target == info.speaker_id)}
 
 
@@ -84,7 +86,7 @@ async def delete_voice(voice_id: str, request: Request):
 @router.get("/v1/models")
 async def list_models(request: Request):
     backend = backend_of(request)
-    name = backend.config.server.served_model_name
+    name = served_model_name(backend.config)
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "async_cosyvoice"}]}
 
 

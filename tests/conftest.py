@@ -5,10 +5,16 @@ import pytest
 
 FIXTURE_ENV = "COSYVOICE_TINY_FIXTURE"
 DEFAULT_FIXTURE = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "cosyvoice2-tiny"
+FIXTURE3_ENV = "COSYVOICE3_TINY_FIXTURE"
+DEFAULT_FIXTURE3 = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "cosyvoice3-tiny"
 
 
 def fixture_dir() -> Path:
     return Path(os.environ.get(FIXTURE_ENV, DEFAULT_FIXTURE)).resolve()
+
+
+def fixture3_dir() -> Path:
+    return Path(os.environ.get(FIXTURE3_ENV, DEFAULT_FIXTURE3)).resolve()
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +27,16 @@ def tiny_dir() -> Path:
             f"README.md, 'The parity fixture'). Copy it there, or set {FIXTURE_ENV} to the directory "
             "holding cosyvoice2.yaml, llm.pt, flow.pt, hift.pt and golden/."
         )
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny3_dir() -> Path:
+    """The public CosyVoice3 tiny fixture (cosyvoice3.yaml, upstream goldens)."""
+    d = fixture3_dir()
+    if not (d / "cosyvoice3.yaml").is_file():
+        pytest.fail(f"CosyVoice3 tiny fixture not found at {d}. Set {FIXTURE3_ENV} to the directory "
+                    "holding cosyvoice3.yaml, llm.pt, flow.pt, hift.pt and golden/.")
     return d
 
 

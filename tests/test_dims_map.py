@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from async_cosyvoice.dims_map import (
-    QWEN_FIELDS, RECIPE_FIELDS, qwen_config, read_dims, read_qwen_dims, write_recipe,
+    QWEN_FIELDS, RECIPE_FIELDS_BY_KIND, base_dims, qwen_config, read_dims, read_qwen_dims,
+    write_recipe,
 )
 from async_cosyvoice.errors import ModelDirError
 from async_cosyvoice.model_dir import load_model_dir
@@ -22,18 +23,26 @@ from async_cosyvoice.recipe import load_recipe
 FROZEN_FIXTURE_DIMS = Path(__file__).parent / "data" / "fixture_dims.json"
 
 
-def _leaves(cls, prefix: str = "") -> list[str]:
+def _leaves(obj, prefix: str = "") -> list[str]:
     out = []
-    for f in dataclasses.fields(cls):
-        sub = getattr(cls(), f.name)
-        out += _leaves(type(sub), f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else [prefix + f.name]
+    for f in dataclasses.fields(obj):
+        sub = getattr(obj, f.name)
+        out += _leaves(sub, f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else [prefix + f.name]
     return out
 
 
-def test_every_field_is_mapped_once():
-    recipe_leaves = [p for p in _leaves(ModelDims) if not p.startswith("lm.qwen.")]  # lm.qwen: config.json
-    assert sorted(f.dims for f in RECIPE_FIELDS) == sorted(recipe_leaves)
-    assert sorted(f.dims for f in QWEN_FIELDS) == sorted(_leaves(Qwen2Dims))
+# set by the kind (the yaml's name), not read from the recipe
+KIND_FIELDS = {"kind", "lm.kind", "hift.causal"}
+CV3_ONLY = {"hift.conv_pre_look_right"}
+
+
+@pytest.mark.parametrize("kind", ["cosyvoice2", "cosyvoice3"])
+def test_every_field_is_mapped_once(kind):
+    skip = KIND_FIELDS | (CV3_ONLY if kind == "cosyvoice2" else set())
+    recipe_leaves = [p for p in _leaves(base_dims(kind))
+                     if not p.startswith("lm.qwen.") and p not in skip]  # lm.qwen: config.json
+    assert sorted(f.dims for f in RECIPE_FIELDS_BY_KIND[kind]) == sorted(recipe_leaves)
+    assert sorted(f.dims for f in QWEN_FIELDS) == sorted(_leaves(Qwen2Dims()))
 
 
 def test_fixture_reads_as_before(tiny_dir):
@@ -45,7 +54,7 @@ def test_fixture_reads_as_before(tiny_dir):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_presets_round_trip(preset):
     dims = PRESETS[preset].dims
-    assert read_dims(load_recipe(recipe_yaml(dims)), dims.lm.qwen) == dims
+    assert read_dims(load_recipe(recipe_yaml(dims)), dims.lm.qwen, kind=dims.kind) == dims
     assert read_qwen_dims(qwen_config(dims.lm.qwen), "config.json") == dims.lm.qwen
 
 

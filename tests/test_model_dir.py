@@ -238,10 +238,31 @@ def test_missing_file(copy_dir, name, message):
     assert e.value.file == name
 
 
-def test_cosyvoice3_dir_is_named(copy_dir):
+def test_a_cosyvoice2_recipe_named_cosyvoice3_is_refused_by_its_classes(copy_dir):
     (copy_dir / "cosyvoice2.yaml").rename(copy_dir / "cosyvoice3.yaml")
-    with pytest.raises(ModelDirError, match="found cosyvoice3.yaml: only CosyVoice2"):
+    with pytest.raises(ModelDirError, match=r"^cosyvoice3.yaml: llm is cosyvoice.llm.llm.Qwen2LM, "
+                                            r"expected CosyVoice3LM \(CosyVoice3\)"):
         load_model_dir(copy_dir)
+
+
+def test_cosyvoice_v1_is_refused_first_like_automodel(copy_dir):
+    """upstream AutoModel tries cosyvoice.yaml before cosyvoice2.yaml: a v1 yaml decides"""
+    (copy_dir / "cosyvoice.yaml").write_text("llm: !new:cosyvoice.llm.llm.TransformerLM\n")
+    with pytest.raises(ModelDirError, match=r"^cosyvoice.yaml: .* CosyVoice \(v1\) model directory, which this "
+                                            r"server does not serve; use CosyVoice2-0.5B"):
+        load_model_dir(copy_dir)
+
+
+def test_no_recipe_names_both_kinds(copy_dir):
+    (copy_dir / "cosyvoice2.yaml").unlink()
+    with pytest.raises(ModelDirError, match=r"cosyvoice2.yaml \(CosyVoice2\) or cosyvoice3.yaml \(CosyVoice3\)"):
+        load_model_dir(copy_dir)
+
+
+def test_kind_is_read_from_the_directory(tiny_dir):
+    md = load_model_dir(tiny_dir)
+    assert md.kind == md.dims.kind == md.dims.lm.kind == "cosyvoice2"
+    assert md.yaml_file == "cosyvoice2.yaml" and md.speech_tokenizer_onnx.name == "speech_tokenizer_v2.onnx"
 
 
 def test_corrupt_state_dicts(copy_dir):

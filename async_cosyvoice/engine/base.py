@@ -53,6 +53,8 @@ class BistreamRequest:
     ras: RASParams = field(default_factory=RASParams)
     seed: int | None = None
     training_consistent: bool = False
+    # CosyVoice3: how many leading prompt_text_tokens (through <|endofprompt|>) go in with sos
+    system_prompt_len: int = 0
 
     def __post_init__(self):
         if self.max_tokens < 1:

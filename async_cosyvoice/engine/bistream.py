@@ -18,6 +18,15 @@ chunking of the text:
   then the rest of the cache, then `task`; decoding runs to EOS with nothing masked.
 - Upstream raises on 6561/6562 while text streams and on 6562/6563 afterwards; so does `accept`.
 
+CosyVoice3 (`ids` of kind cosyvoice3, upstream `CosyVoice3LM` through the same loop): the prompt text
+up to and including `<|endofprompt|>` (its first `system_len` tokens, which the caller locates with
+its tokenizer) follows `[sos]` in the first input and only the rest starts the text cache, so with
+no prompt speech decoding starts at the first text token (upstream's `lm_input.size(1) == 1` test
+no longer holds); the stop ids are 6561..6760, its fill 6564 and its
+EOS 6562: while text streams every other stop id raises as above, after the text any stop id ends
+the request (`SpeechIds.ends_bistream`: CosyVoice3's unistream rule; upstream would raise on all but
+6562).
+
 `training_consistent=True` is the layout the model was trained on instead: the fill is due at
 once when the prompt fills whole 15-token groups, and the final input does not repeat the last
 fed input.
@@ -31,8 +40,8 @@ from collections import deque
 from enum import Enum, auto
 from typing import Iterable
 
-from ..models.dims import EOS_TOKEN, FILL_TOKEN
-from ..models.llm import SOS, TASK, Part, Table
+from ..models.dims import SpeechIds
+from ..models.llm import Part, Table, sos_part, task_part
 
 
 class Phase(Enum):
@@ -53,14 +62,23 @@ class UnexpectedStopToken(RuntimeError):
 
 class BistreamSchedule:
     def __init__(self, prompt_text_tokens: Iterable[int], prompt_speech_tokens: Iterable[int],
-                 mix_ratio: tuple[int, int] = (5, 15), training_consistent: bool = False):
+                 mix_ratio: tuple[int, int] = (5, 15), training_consistent: bool = False,
+                 ids: SpeechIds = SpeechIds.of("cosyvoice2"), system_len: int = 0):
         self.n_text, self.n_speech = mix_ratio
         self.training_consistent = training_consistent
+        self.ids = ids
+        self._sos = sos_part(ids)
         self._text_cache: list[int] = list(prompt_text_tokens)
         self._prompt_speech: list[int] = list(prompt_speech_tokens)
         self._pending: deque[int] = deque()  # client text tokens not taken yet
         self._ended = False
-        self._lm_input: list[Part] = [SOS]  # upstream's `lm_input`: the next input, or the last fed one
+        self._lm_input: list[Part] = [self._sos]  # upstream's `lm_input`: the next input, or the last fed one
+        if ids.sos is not None:  # CosyVoice3: the system part of the prompt text goes in with sos
+            if not 0 < system_len <= len(self._text_cache):
+                raise ValueError("a CosyVoice3 bistream prompt text must begin with its system part, ending "
+                                 f"in <|endofprompt|> (system_len {system_len} of {len(self._text_cache)} tokens)")
+            self._lm_input.append((Table.TEXT, tuple(self._text_cache[:system_len])))
+            del self._text_cache[:system_len]
         self.num_out = 0  # upstream's len(out_tokens): fills included
         self._last_out: int | None = None
         p = len(self._prompt_speech)
@@ -95,8 +113,8 @@ class BistreamSchedule:
             self._take_prompt_pairs()
             if self._prompt_speech:
                 continue
-            after_fill = self.num_out > 0 and self._last_out == FILL_TOKEN
-            if after_fill or (self.num_out == 0 and self._lm_input == [SOS]):
+            after_fill = self.num_out > 0 and self._last_out == self.ids.fill
+            if after_fill or (self.num_out == 0 and self._lm_input == [self._sos]):
                 if len(self._text_cache) < self.n_text:
                     continue
                 text = (Table.TEXT, tuple(self._text_cache[:self.n_text]))
@@ -110,7 +128,7 @@ class BistreamSchedule:
         rest = [(Table.TEXT, tuple(self._text_cache))] if self._text_cache else []
         self._text_cache = []
         self.phase = Phase.FINAL
-        return self._feed(last + rest + [TASK])
+        return self._feed(last + rest + [task_part(self.ids)])
 
     @property
     def forces_fill(self) -> bool:
@@ -131,24 +149,25 @@ class BistreamSchedule:
         """Record the LM's next output (a forced fill included)."""
         if self.wants_input or self.phase is Phase.DONE:
             raise RuntimeError("accept() called while the LM has no input")
-        if self.phase is Phase.TEXT and self.forces_fill and token != FILL_TOKEN:
+        fill = self.ids.fill
+        if self.phase is Phase.TEXT and self.forces_fill and token != fill:
             raise RuntimeError(f"output {self.num_out} must be the forced fill token, got {token}")
         index = self.num_out
         self.num_out += 1
         self._last_out = token
         if self.phase is Phase.TEXT:
-            if token == FILL_TOKEN:
+            if token == fill:
                 self._next_fill = index + self.n_speech + 1
                 self.wants_input = True
                 return Verdict.FILL
-            if token >= EOS_TOKEN:
+            if self.ids.is_stop(token):
                 raise UnexpectedStopToken(f"the LM sampled stop id {token} while text was streaming "
                                           "(upstream's bistream loop raises here too)")
         else:
-            if token == EOS_TOKEN:
+            if self.ids.ends_bistream(token):
                 self.phase = Phase.DONE
                 return Verdict.END
-            if token > EOS_TOKEN:
+            if self.ids.is_stop(token):
                 raise UnexpectedStopToken(f"the LM sampled stop id {token} after the text ended "
                                           "(upstream's bistream loop raises here too)")
         self._lm_input = [(Table.SPEECH, (token,))]

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.dims import FILL_TOKEN
 from ..models.llm import CosyVoice2LM, Table, input_rows
 from ..sampling import ras_sample_batch, suppress_batch
 from ..startup import CAPTURES
@@ -192,11 +191,12 @@ class ModelRunner:
         log-probs before masking."""
         logp = self.model.logits(hidden).float().log_softmax(-1)  # upstream samples from log-probs
         recorded = logp.clone() if self.recorder is not None else None
-        suppress_batch(logp, self.num_out[slots], self.min_tokens[slots], self.ignore_stop[slots])
+        ids = self.model.ids
+        suppress_batch(logp, self.num_out[slots], self.min_tokens[slots], self.ignore_stop[slots], ids.size)
         tokens = ras_sample_batch(logp, self.history[slots], self.top_p[slots], self.top_k[slots],
                                   self.win_size[slots], self.tau_r[slots], uniforms=uniforms,
                                   max_top_k=self.cfg.max_top_k)
-        tokens = torch.where(force, FILL_TOKEN, tokens)
+        tokens = torch.where(force, ids.fill, tokens)
         self.history[slots] = torch.cat([self.history[slots][:, 1:], tokens[:, None]], dim=1)
         self.last_token[slots] = tokens
         self.num_out[slots] += 1

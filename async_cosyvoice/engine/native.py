@@ -25,7 +25,6 @@ from typing import Sequence as Seq
 import torch
 
 from ..errors import EngineDead, InvalidRequest, NotReady
-from ..models.dims import STOP_TOKENS
 from ..models.llm import CosyVoice2LM
 from ..stage_stats import StageStats, timed_call
 from .base import BistreamRequest, EngineStats, GenerationRequest
@@ -72,6 +71,7 @@ class NativeEngine:
         self.config = config
         self.runner = ModelRunner(model, config.runner_config(), seed=config.seed, recorder=recorder)
         self._mix_ratio = tuple(model.dims.mix_ratio)
+        self._ids = model.ids
         self._text_vocab = model.dims.qwen.vocab_size
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
         self.stage_stats = StageStats("llm_step")  # steps, rows (decode + prefill), busy seconds
@@ -105,7 +105,7 @@ class NativeEngine:
             self._finish(seq, NotReady("the speech-token engine stopped"))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
-        seq = Sequence(request, asyncio.Queue())
+        seq = Sequence(request, asyncio.Queue(), ids=self._ids)
         if seq.segment_len + request.max_tokens > self.config.max_model_len:
             raise InvalidRequest(
                 f"prompt ({seq.segment_len} positions) + max_tokens ({request.max_tokens}) exceeds max_model_len "
@@ -117,9 +117,12 @@ class NativeEngine:
 
     async def generate_bistream(self, request: BistreamRequest,
                                 text: AsyncIterator[Seq[int]]) -> AsyncIterator[list[int]]:
-        schedule = BistreamSchedule(request.prompt_text_tokens, request.prompt_speech_tokens, self._mix_ratio,
-                                    request.training_consistent)
-        seq = Sequence(request, asyncio.Queue(), schedule=schedule)
+        try:
+            schedule = BistreamSchedule(request.prompt_text_tokens, request.prompt_speech_tokens, self._mix_ratio,
+                                        request.training_consistent, self._ids, request.system_prompt_len)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        seq = Sequence(request, asyncio.Queue(), schedule=schedule, ids=self._ids)
         prompt_len = len(request.prompt_text_tokens) + len(request.prompt_speech_tokens) + 2
         if prompt_len > self.config.max_model_len:
             raise InvalidRequest(f"the prompt ({prompt_len} positions) exceeds max_model_len "
@@ -267,7 +270,7 @@ class NativeEngine:
             seq.decoding, seq.last_token = True, token
             if seq.schedule is not None:
                 self._commit_bistream(seq, token)
-            elif token in STOP_TOKENS and not seq.request.ignore_stop_tokens:
+            elif self._ids.is_stop(token) and not seq.request.ignore_stop_tokens:
                 self._finish(seq)
             else:
                 self._emit(seq, token)

@@ -9,8 +9,9 @@ top_p 1, top_k 0 (or -1), min_p 0 and default penalties — `validate_params` en
 Per-request parameters travel in `SamplingParams.extra_args[EXTRA_ARGS_KEY]` (build them with
 `ras_extra_args`): top_p, top_k, win_size, tau_r, min_tokens and ignore_stop_tokens, and for
 bistream chunks `history` (the request's earlier outputs, fills included: vLLM starts a chunk's
-output list afresh) and `fill_at` (the chunk's output index where the fill token is forced). Before
-`min_tokens` outputs only EOS (6561) is masked, as upstream does; vLLM's own `min_tokens` would
+output list afresh) and `fill_at` (the chunk's output index where the fill token is forced).
+The model's special ids (CosyVoice2 or CosyVoice3, `SpeechIds`) come from the exported config's
+vocabulary size. Before `min_tokens` outputs only id 6561 is masked, as upstream does; vLLM's own `min_tokens` would
 mask every stop id, so it must stay 0 on these requests. `ignore_stop_tokens` masks all stop ids.
 The repetition window is read in `apply()` from the live `output_tok_ids` list vLLM hands over
 when the request joins the batch, so it already holds the previous step's token.
@@ -27,7 +28,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
 
-from ..models.dims import FILL_TOKEN, RASParams
+from ..models.dims import RASParams, SpeechIds
 from ..sampling import ras_log_probs, suppress_batch
 
 EXTRA_ARGS_KEY = "cosyvoice_ras"
@@ -122,6 +123,8 @@ class RASLogitsProcessor(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.device = device
+        vocab = vllm_config.model_config.hf_config.get_text_config().vocab_size
+        self.ids = next(i for i in (SpeechIds.of("cosyvoice2"), SpeechIds.of("cosyvoice3")) if i.vocab == vocab)
         self.slots: dict[int, _Slot] = {}
         self._batch: _BatchParams | None = None
 
@@ -152,13 +155,13 @@ class RASLogitsProcessor(LogitsProcessor):
                 history[row, b.max_win - len(recent):] = torch.tensor(recent, dtype=torch.long)
 
         rows = logits.index_select(0, b.index)
-        suppress_batch(rows, n_out, b.min_tokens, b.ignore_stop)
+        suppress_batch(rows, n_out, b.min_tokens, b.ignore_stop, self.ids.size)
         logp = ras_log_probs(rows, history.to(logits.device), top_p=b.top_p, top_k=b.top_k,
                              win_size=b.win_size, tau_r=b.tau_r)
         forced = n_out == b.fill_at  # bistream: the fill token, not a sample
         if bool(forced.any()):
             logp[forced] = float("-inf")
-            logp[forced, FILL_TOKEN] = 0.0
+            logp[forced, self.ids.fill] = 0.0
         logits.index_copy_(0, b.index, logp.to(logits.dtype))
         return logits
 

@@ -8,6 +8,7 @@ from enum import Enum, auto
 import torch
 from torch import Tensor
 
+from ..models.dims import SpeechIds
 from ..models.llm import Part, prompt_parts
 from .base import BistreamRequest, GenerationRequest
 from .bistream import BistreamSchedule
@@ -34,6 +35,7 @@ class Sequence:
     outputs: asyncio.Queue  # lists of tokens, then None (end) or an exception
     schedule: BistreamSchedule | None = None  # bistream requests only
     generator: torch.Generator | None = None  # per-request RAS draws when the request has a seed
+    ids: SpeechIds = SpeechIds.of("cosyvoice2")  # the model's special speech ids (its sos/task rows)
     status: SeqStatus = SeqStatus.WAITING
     slot: int = -1
     num_cached: int = 0  # positions written to the KV cache
@@ -47,7 +49,7 @@ class Sequence:
 
     def __post_init__(self):
         if isinstance(self.request, GenerationRequest):
-            self.set_segment(prompt_parts(self.request.text_tokens, self.request.prompt_speech_tokens))
+            self.set_segment(prompt_parts(self.request.text_tokens, self.request.prompt_speech_tokens, self.ids))
 
     @property
     def request_id(self) -> str:

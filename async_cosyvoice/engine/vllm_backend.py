@@ -8,7 +8,8 @@
   streaming input, which takes ids only: the export adds an `input_rows` table for them.
 - Sampling is RAS through the engine-level `RASLogitsProcessor` (ras_processor.py), configured
   per request through `extra_args`; vLLM's own sampler stays neutral (temperature 1, no top-k/p).
-- Stop ids 6561/6562/6563 end a request and are dropped from the output; cancelling the consumer
+- Stop ids (every id >= 6561: CosyVoice2's 6561..6563, CosyVoice3's 6561..6760) end a request
+  and are dropped from the output; cancelling the consumer
   (or `abort`) aborts the request inside vLLM.
 - `stats()` reads the scheduler stats vLLM reports to a stat logger we install.
 
@@ -29,8 +30,8 @@ import torch
 
 from ..errors import EngineDead, InvalidRequest, NotReady, Unsupported
 from ..model_dir import ModelDir, load_model_dir
-from ..models.dims import EOS2_TOKEN, FILL_TOKEN, STOP_TOKENS, Qwen2Dims
-from ..models.llm import CosyVoice2LM
+from ..models.dims import Qwen2Dims
+from ..models.llm import LM_CLASSES, CosyVoice2LM
 from ..request import derived_seed
 from .base import BistreamRequest, EngineStats, GenerationRequest
 from .bistream import BistreamSchedule, Phase, Verdict
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _GiB = 1 << 30
-_STOP_SET = frozenset(STOP_TOKENS)
 RAS_PROCESSOR_PATH = "async_cosyvoice.engine.ras_processor:RASLogitsProcessor"
 _EMBED_KEYS = ("backbone.embed_tokens.weight", "llm_embedding.weight", "speech_embedding.weight")
 
@@ -120,6 +120,7 @@ class VLLMEngine:
         check_servable(self.model_dir.dims.lm.qwen, _import_vllm()[1])  # before vLLM spawns anything
         self.args = args
         self._lm = lm
+        self.ids = self.model_dir.dims.lm.ids
         self._embed_dtype = getattr(torch, args.dtype)
         self.llm = None  # vllm AsyncLLM once started
         self.export_dir: Path | None = None
@@ -232,7 +233,7 @@ class VLLMEngine:
             top_k=0,
             max_tokens=request.max_tokens,
             min_tokens=0,  # vLLM's would mask all stop ids; RAS masks EOS only (min_tokens in extra_args)
-            stop_token_ids=[] if request.ignore_stop_tokens else list(STOP_TOKENS),
+            stop_token_ids=[] if request.ignore_stop_tokens else list(self.ids.stop_ids),
             seed=request.seed,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
@@ -251,7 +252,7 @@ class VLLMEngine:
         stream = llm.generate(self.prompt(request), self.sampling_params(request), request.request_id)
         try:
             async for out in stream:
-                ids = [t for t in out.outputs[0].token_ids if t not in _STOP_SET]
+                ids = [t for t in out.outputs[0].token_ids if not self.ids.is_stop(t)]
                 if ids:
                     yield ids
         except VLLMClientError as err:
@@ -286,8 +287,14 @@ class VLLMEngine:
         llm = self.llm
         if llm is None:
             raise NotReady("the vLLM engine is not started")
-        schedule = BistreamSchedule(request.prompt_text_tokens, request.prompt_speech_tokens,
-                                    tuple(self.model_dir.dims.lm.mix_ratio), request.training_consistent)
+        try:
+            schedule = BistreamSchedule(request.prompt_text_tokens, request.prompt_speech_tokens,
+                                        tuple(self.model_dir.dims.lm.mix_ratio), request.training_consistent, self.ids,
+                                        request.system_prompt_len)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        # while text streams, the min_len id is masked and every other stop id ends the chunk
+        text_stops = [t for t in self.ids.stop_ids if t != self.ids.min_len_masked]
         text_vocab = self.model_dir.dims.lm.qwen.vocab_size
         chunks: asyncio.Queue = asyncio.Queue()  # StreamingInput, or an exception from the text side
         history: list[int] = []  # every output so far, fills included (the RAS window spans chunks)
@@ -311,10 +318,10 @@ class VLLMEngine:
                 params = self.sampling_params(GenerationRequest(
                     request.request_id, (), (), min_tokens=0, max_tokens=schedule.fill_index - schedule.num_out + 1,
                     ras=request.ras, seed=seed))
-                params.stop_token_ids = [EOS2_TOKEN, FILL_TOKEN]
+                params.stop_token_ids = text_stops
                 params.extra_args = ras_extra_args(request.ras, min_tokens=1 << 62, history=tuple(history),
                                                    fill_at=schedule.fill_index - schedule.num_out)
-            chunks.put_nowait(StreamingInput(TokensPrompt(prompt_token_ids=input_ids(parts)), params))
+            chunks.put_nowait(StreamingInput(TokensPrompt(prompt_token_ids=input_ids(parts, self.ids.vocab)), params))
 
         async def feed_text() -> None:
             try:
@@ -432,11 +439,12 @@ def check_servable(qwen: "Qwen2Dims", platform) -> None:
 
 
 def _embedding_only_lm(model_dir: "ModelDir", dtype: torch.dtype) -> "CosyVoice2LM":
-    """A `CosyVoice2LM` whose three embedding tables are real (in the engine dtype: vLLM casts the
+    """The directory kind's LM whose embedding tables are real (in the engine dtype: vLLM casts the
     prompt rows to it anyway) and whose other weights stay on the meta device: enough for
     `embed_prompt`, at a fraction of the memory."""
     with torch.device("meta"):
-        lm = CosyVoice2LM(model_dir.dims.lm)
+        lm = LM_CLASSES[model_dir.kind](model_dir.dims.lm)
     state = model_dir.llm_state_dict()
-    lm.load_state_dict({k: state[k].to(dtype=dtype, copy=True) for k in _EMBED_KEYS}, strict=False, assign=True)
+    lm.load_state_dict({k: state[k].to(dtype=dtype, copy=True) for k in _EMBED_KEYS if k in state},
+                       strict=False, assign=True)
     return lm.eval()

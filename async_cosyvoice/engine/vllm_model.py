@@ -1,8 +1,9 @@
-"""CosyVoice2's speech LM as a vLLM out-of-tree model.
+"""CosyVoice2's and CosyVoice3's speech LM as a vLLM out-of-tree model.
 
-The backbone is vLLM's own Qwen2 body. Speech ids are the model's output vocabulary (6564
-entries: 0..6560 speech tokens, 6561..6563 stop ids), so `model.embed_tokens` holds
-`speech_embedding` and `lm_head` (with bias) holds `llm_decoder`. Unistream prompts come as
+The backbone is vLLM's own Qwen2 body. Speech ids are the model's output vocabulary (CosyVoice2:
+6564 entries, 0..6560 speech tokens, 6561..6563 stop ids; CosyVoice3: 6761, 6561..6760 special),
+so `model.embed_tokens` holds `speech_embedding` and `lm_head` (with bias for CosyVoice2 only,
+config `cosyvoice_lm_head_bias`) holds `llm_decoder`. Unistream prompts come as
 `prompt_embeds` built by the engine; bistream chunks come as input ids past the output
 vocabulary for the sos/task rows and text tokens (vllm_export.py), embedded from `input_rows`.
 The checkpoint directory vLLM loads is written by `vllm_export.export_for_vllm`.
@@ -21,11 +22,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.qwen2 import Qwen2Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
-from .vllm_export import LLM_ROW_BASE
-
-
 class CosyVoice2ForCausalLM(nn.Module):
-    """Qwen2 body + biased 6564-way speech head (`llm_decoder`)."""
+    """Qwen2 body + the speech head (`llm_decoder`: 6564-way with bias, or CosyVoice3's 6761-way)."""
 
     hf_to_vllm_mapper = Qwen2Model.hf_to_vllm_mapper
     packed_modules_mapping = {
@@ -39,23 +37,25 @@ class CosyVoice2ForCausalLM(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         self.model = Qwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.head_bias = bool(getattr(config, "cosyvoice_lm_head_bias", True))
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,
-            bias=True,
+            bias=self.head_bias,
             quant_config=quant_config,
             prefix=maybe_prefix(prefix, "lm_head"),
         )
         # vLLM's head layer; unrelated to the sampling-time logits processors (ras_processor.py).
         self.logits_processor = LogitsHead(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        # llm_embedding rows + the Qwen text embedding (input ids LLM_ROW_BASE...)
+        # llm_embedding rows + the Qwen text embedding (input ids vocab_size...)
         self.input_rows = nn.Embedding(config.cosyvoice_input_rows, config.hidden_size)
+        self.speech_vocab = config.vocab_size
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        speech = input_ids < LLM_ROW_BASE
+        speech = input_ids < self.speech_vocab
         embeds = self.model.embed_input_ids(torch.where(speech, input_ids, 0))
-        rows = self.input_rows((input_ids - LLM_ROW_BASE).clamp(min=0))
+        rows = self.input_rows((input_ids - self.speech_vocab).clamp(min=0))
         return torch.where(speech[..., None], embeds, rows.to(embeds.dtype))
 
     def forward(
@@ -72,7 +72,7 @@ class CosyVoice2ForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         # The bias must be passed explicitly: the head layer adds it only when given, and a
         # missing bias fails silently (every logit off by llm_decoder.bias).
-        return self.logits_processor(self.lm_head, hidden_states, self.lm_head.bias)
+        return self.logits_processor(self.lm_head, hidden_states, self.lm_head.bias if self.head_bias else None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return AutoWeightsLoader(self).load_weights(weights)

@@ -3,6 +3,13 @@
 `MODE_SPECS` says, per mode, which parts of the voice each model uses (facts sheet §2.4);
 `build_model_input` is the only constructor, and `ModelInput.to_upstream_dict` gives the dict that
 upstream's `CosyVoiceFrontEnd.frontend_*` methods return (same keys, shapes and dtypes).
+
+CosyVoice3's LM needs `<|endofprompt|>` in its text (upstream asserts it and leaves adding it to the
+caller): `SystemPrompt` adds `You are a helpful assistant.<|endofprompt|>` where a request's LM
+text lacks it, in front of the prompt transcript or, in modes without one, of the target text (as
+upstream's cross-lingual texts carry it, so that it counts toward the length limits);
+`instruction_text` wraps an instruction as upstream's examples do. Text that already holds the
+marker is used as it is, so upstream-style inputs give upstream's tokens.
 """
 from __future__ import annotations
 
@@ -13,8 +20,10 @@ import numpy as np
 
 from ..errors import InvalidRequest
 from ..request import Mode, Voice
+from .tokenizer import ENDOFPROMPT
 
 PromptTextSource = Literal["transcript", "instruction"]
+SYSTEM_PROMPT = "You are a helpful assistant."
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,41 @@ MODE_SPECS: dict[Mode, ModeSpec] = {
 
 _NO_IDS = np.zeros(0, np.int32)
 _NO_IDS.flags.writeable = False
+
+
+def instruction_text(instruction: str, kind: str) -> str:
+    """An instruct2 request's LM prompt text. CosyVoice2: the instruction ending in `<|endofprompt|>`
+    (appended when missing); CosyVoice3: `You are a helpful assistant. <instruction><|endofprompt|>`
+    unless the instruction already holds the marker."""
+    if ENDOFPROMPT in instruction:
+        return instruction
+    if kind == "cosyvoice3":
+        return f"{SYSTEM_PROMPT} {instruction}{ENDOFPROMPT}"
+    return instruction + ENDOFPROMPT
+
+
+@dataclass(frozen=True)
+class SystemPrompt:
+    """CosyVoice3: the tokens of `You are a helpful assistant.<|endofprompt|>` and the marker's id."""
+    tokens: tuple[int, ...]
+    endofprompt: int
+
+    @classmethod
+    def for_tokenizer(cls, encode, kind: str) -> "SystemPrompt | None":
+        """None for CosyVoice2 (its LM text carries no system prompt)."""
+        if kind != "cosyvoice3":
+            return None
+        tokens = tuple(encode(SYSTEM_PROMPT + ENDOFPROMPT))
+        return cls(tokens, tokens[-1])
+
+    def lm_texts(self, spec: "ModeSpec", prompt_text: np.ndarray, text: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt_text, text) with the system prompt where the LM text lacks the marker."""
+        if self.endofprompt in prompt_text or self.endofprompt in text:
+            return prompt_text, text
+        prefix = np.asarray(self.tokens, np.int32)
+        if spec.lm_prompt_text is not None:
+            return np.concatenate([prefix, prompt_text]), text
+        return prompt_text, np.concatenate([prefix, text])
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,7 +149,8 @@ class ModelInput:
 
 def build_model_input(mode: Mode | str, voice: Voice, *, text_tokens: Sequence[int] = (),
                       instruction_tokens: Sequence[int] = (),
-                      source_speech_tokens: Sequence[int] | None = None) -> ModelInput:
+                      source_speech_tokens: Sequence[int] | None = None,
+                      system_prompt: SystemPrompt | None = None) -> ModelInput:
     """Assemble the inputs of one segment.
 
     voice: a prepared voice (`PromptEncoder.encode` of prompt audio, with the transcript where the
@@ -114,6 +159,7 @@ def build_model_input(mode: Mode | str, voice: Voice, *, text_tokens: Sequence[i
     text_tokens: the target text (ignored by VC).
     instruction_tokens: the LM prompt text of the modes whose `lm_prompt_text` is "instruction".
     source_speech_tokens: VC only, the source audio's speech tokens.
+    system_prompt: CosyVoice3's (SystemPrompt.lm_texts); None for CosyVoice2.
     """
     mode = Mode(mode)
     spec = MODE_SPECS[mode]
@@ -126,11 +172,14 @@ def build_model_input(mode: Mode | str, voice: Voice, *, text_tokens: Sequence[i
         raise InvalidRequest(f"mode {mode.value} needs source speech tokens")
     prompt_text = {"transcript": voice.prompt_text_tokens, "instruction": _ids(instruction_tokens),
                    None: _NO_IDS}[spec.lm_prompt_text]
+    text = _ids(text_tokens) if spec.runs_lm else _NO_IDS
+    if system_prompt is not None and spec.runs_lm:
+        prompt_text, text = system_prompt.lm_texts(spec, prompt_text, text)
     flow_tokens = voice.speech_tokens if spec.flow_prompt else _NO_IDS
     feat = voice.speech_feat if spec.flow_prompt else np.zeros((0, voice.speech_feat.shape[1]), np.float32)
     return ModelInput(
         mode=mode,
-        text=_ids(text_tokens) if spec.runs_lm else _NO_IDS,
+        text=text,
         prompt_text=prompt_text,
         llm_prompt_speech_token=voice.speech_tokens if spec.lm_prompt_speech else _NO_IDS,
         flow_prompt_speech_token=flow_tokens,

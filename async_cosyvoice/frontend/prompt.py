@@ -2,7 +2,8 @@
 
 `PromptEncoder` wraps the two ONNX models of an official model directory:
 
-- `speech_tokenizer_v2.onnx`: whisper log-mel of 16 kHz audio -> 25 Hz speech tokens;
+- `speech_tokenizer_v2.onnx` (CosyVoice3: `speech_tokenizer_v3.onnx`, same I/O): whisper log-mel of
+  16 kHz audio -> 25 Hz speech tokens;
 - `campplus.onnx`: mean-normalised Kaldi fbank of 16 kHz audio -> 192-d speaker embedding;
 
 plus the 24 kHz prompt mel. Like upstream, the prompt is resampled from its own rate separately to
@@ -62,9 +63,12 @@ class PromptEncoder:
             raise ValueError(f"{campplus_onnx}: expected 1 input (fbank), got {self._campplus_inputs}")
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, mel: MelDims = MelDims()) -> "PromptEncoder":
+    def from_model_dir(cls, model_dir: str | Path, mel: MelDims = MelDims(),
+                       speech_tokenizer: str = SPEECH_TOKENIZER_FILE) -> "PromptEncoder":
+        """speech_tokenizer: the ONNX file name (CosyVoice3: `speech_tokenizer_v3.onnx`, the
+        same interface)."""
         model_dir = Path(model_dir)
-        return cls(model_dir / SPEECH_TOKENIZER_FILE, model_dir / CAMPPLUS_FILE, mel)
+        return cls(model_dir / speech_tokenizer, model_dir / CAMPPLUS_FILE, mel)
 
     # -- single stages ------------------------------------------------------------------------
 

@@ -1,10 +1,12 @@
-"""CosyVoice2 text tokenizer: the Qwen2 byte-level BPE of `CosyVoice-BlankEN` plus 17 special tokens.
+"""CosyVoice2 / CosyVoice3 text tokenizer: the Qwen2 byte-level BPE of `CosyVoice-BlankEN` plus the
+model's special tokens (CosyVoice2: 17 new ones; CosyVoice3: those and 261 more, 278 in all).
 
 Built directly with the `tokenizers` library, the same pipeline transformers' Qwen2 tokenizer builds
 (NFC, Qwen2 pre-tokenize regex, byte-level BPE, no BOS/EOS). The base special tokens come from
 `tokenizer_config.json` (`added_tokens_decoder`) at their stated ids; then `<|endoftext|>` (eos/pad) and
-the CosyVoice2 list are added in upstream order, so new ones get consecutive ids after the base vocab
-(facts sheet §2.3: `<|endofprompt|>` = 151646 ... `[mn]` = 151662 for the official BlankEN).
+the kind's list are added in upstream order, so new ones get consecutive ids after the base vocab
+(facts sheet §2.3: `<|endofprompt|>` = 151646 ... `[mn]` = 151662 for the official BlankEN; CosyVoice3
+goes on with `<|endofsystem|>` = 151663 ... `[ǜ]` = 151923).
 """
 from __future__ import annotations
 
@@ -30,6 +32,35 @@ COSYVOICE2_SPECIAL_TOKENS: tuple[str, ...] = (
     "[hissing]", "[sigh]", "[vocalized-noise]",
     "[lipsmack]", "[mn]",
 )
+# CosyVoice3Tokenizer adds these after CosyVoice2's (ids 151663..151923 for the official BlankEN):
+# <|endofsystem|>, ARPAbet phones and pinyin finals for pronunciation hints such as "[j][ǐ]"
+COSYVOICE3_EXTRA_TOKENS: tuple[str, ...] = (
+    "<|endofsystem|>", "[AA]", "[AA0]", "[AA1]", "[AA2]", "[AE]", "[AE0]", "[AE1]", "[AE2]", "[AH]", "[AH0]",
+    "[AH1]", "[AH2]", "[AO]", "[AO0]", "[AO1]", "[AO2]", "[AW]", "[AW0]", "[AW1]", "[AW2]", "[AY]", "[AY0]",
+    "[AY1]", "[AY2]", "[B]", "[CH]", "[D]", "[DH]", "[EH]", "[EH0]", "[EH1]", "[EH2]", "[ER]", "[ER0]",
+    "[ER1]", "[ER2]", "[EY]", "[EY0]", "[EY1]", "[EY2]", "[F]", "[G]", "[HH]", "[IH]", "[IH0]", "[IH1]",
+    "[IH2]", "[IY]", "[IY0]", "[IY1]", "[IY2]", "[JH]", "[K]", "[L]", "[M]", "[N]", "[NG]", "[OW]", "[OW0]",
+    "[OW1]", "[OW2]", "[OY]", "[OY0]", "[OY1]", "[OY2]", "[P]", "[R]", "[S]", "[SH]", "[T]", "[TH]", "[UH]",
+    "[UH0]", "[UH1]", "[UH2]", "[UW]", "[UW0]", "[UW1]", "[UW2]", "[V]", "[W]", "[Y]", "[Z]", "[ZH]", "[a]",
+    "[ai]", "[an]", "[ang]", "[ao]", "[b]", "[c]", "[ch]", "[d]", "[e]", "[ei]", "[en]", "[eng]", "[f]",
+    "[g]", "[h]", "[i]", "[ian]", "[in]", "[ing]", "[iu]", "[ià]", "[iàn]", "[iàng]", "[iào]", "[iá]",
+    "[ián]", "[iáng]", "[iáo]", "[iè]", "[ié]", "[iòng]", "[ióng]", "[iù]", "[iú]", "[iā]", "[iān]", "[iāng]",
+    "[iāo]", "[iē]", "[iě]", "[iōng]", "[iū]", "[iǎ]", "[iǎn]", "[iǎng]", "[iǎo]", "[iǒng]", "[iǔ]", "[j]",
+    "[k]", "[l]", "[m]", "[n]", "[o]", "[ong]", "[ou]", "[p]", "[q]", "[r]", "[s]", "[sh]", "[t]", "[u]",
+    "[uang]", "[ue]", "[un]", "[uo]", "[uà]", "[uài]", "[uàn]", "[uàng]", "[uá]", "[uái]", "[uán]", "[uáng]",
+    "[uè]", "[ué]", "[uì]", "[uí]", "[uò]", "[uó]", "[uā]", "[uāi]", "[uān]", "[uāng]", "[uē]", "[uě]",
+    "[uī]", "[uō]", "[uǎ]", "[uǎi]", "[uǎn]", "[uǎng]", "[uǐ]", "[uǒ]", "[vè]", "[w]", "[x]", "[y]", "[z]",
+    "[zh]", "[à]", "[ài]", "[àn]", "[àng]", "[ào]", "[á]", "[ái]", "[án]", "[áng]", "[áo]", "[è]", "[èi]",
+    "[èn]", "[èng]", "[èr]", "[é]", "[éi]", "[én]", "[éng]", "[ér]", "[ì]", "[ìn]", "[ìng]", "[í]", "[ín]",
+    "[íng]", "[ò]", "[òng]", "[òu]", "[ó]", "[óng]", "[óu]", "[ù]", "[ùn]", "[ú]", "[ún]", "[ā]", "[āi]",
+    "[ān]", "[āng]", "[āo]", "[ē]", "[ēi]", "[ēn]", "[ēng]", "[ě]", "[ěi]", "[ěn]", "[ěng]", "[ěr]", "[ī]",
+    "[īn]", "[īng]", "[ō]", "[ōng]", "[ōu]", "[ū]", "[ūn]", "[ǎ]", "[ǎi]", "[ǎn]", "[ǎng]", "[ǎo]", "[ǐ]",
+    "[ǐn]", "[ǐng]", "[ǒ]", "[ǒng]", "[ǒu]", "[ǔ]", "[ǔn]", "[ǘ]", "[ǚ]", "[ǜ]",
+)
+SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
+    "cosyvoice2": COSYVOICE2_SPECIAL_TOKENS,
+    "cosyvoice3": COSYVOICE2_SPECIAL_TOKENS + COSYVOICE3_EXTRA_TOKENS,
+}
 ENDOFPROMPT = "<|endofprompt|>"
 
 
@@ -102,7 +133,7 @@ def _add_special(tok: Tokenizer, content: str, flags: dict | None = None, expect
 
 
 @functools.lru_cache(maxsize=8)
-def _load(dir_str: str) -> Tokenizer:
+def _load(dir_str: str, kind: str = "cosyvoice2") -> Tokenizer:
     d = Path(dir_str)
     if not d.is_dir():
         raise ModelDirError(d.name, f"missing (expected the CosyVoice-BlankEN tokenizer directory at {d})")
@@ -118,24 +149,28 @@ def _load(dir_str: str) -> Tokenizer:
         if not isinstance(spec, dict) or "content" not in spec:
             raise ModelDirError("tokenizer_config.json", f"added_tokens_decoder[{i}] has no 'content'")
         _add_special(tok, spec["content"], spec, expect_id=i, source="tokenizer_config.json")
-    for content in (EOS_TOKEN, *COSYVOICE2_SPECIAL_TOKENS):
+    for content in (EOS_TOKEN, *SPECIAL_TOKENS[kind]):
         _add_special(tok, content)
     return tok
 
 
 class TextTokenizer:
-    """Text -> Qwen2 token ids exactly as upstream `CosyVoice2Tokenizer` (no BOS/EOS added)."""
+    """Text -> Qwen2 token ids exactly as upstream `CosyVoice2Tokenizer` / `CosyVoice3Tokenizer`
+    (no BOS/EOS added)."""
 
-    def __init__(self, tokenizer: Tokenizer, source: Path | None = None):
+    def __init__(self, tokenizer: Tokenizer, source: Path | None = None, kind: str = "cosyvoice2"):
         self._tok = tokenizer
         self.source = source
+        self.kind = kind
 
     @classmethod
-    def from_dir(cls, blank_en_dir: str | Path) -> "TextTokenizer":
+    def from_dir(cls, blank_en_dir: str | Path, kind: str = "cosyvoice2") -> "TextTokenizer":
         """Load from a `CosyVoice-BlankEN` directory (vocab.json + merges.txt + tokenizer_config.json,
-        or tokenizer.json). The underlying tokenizer is cached per directory."""
+        or tokenizer.json) with the special tokens of model `kind`. Cached per (directory, kind)."""
+        if kind not in SPECIAL_TOKENS:
+            raise ValueError(f"unknown model kind {kind!r}; one of {sorted(SPECIAL_TOKENS)}")
         d = Path(blank_en_dir).resolve()
-        return cls(_load(str(d)), d)
+        return cls(_load(str(d), kind), d, kind)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -155,8 +190,8 @@ class TextTokenizer:
 
     @property
     def special_ids(self) -> dict[str, int]:
-        """`<|endoftext|>` and the CosyVoice2 special tokens with their ids, in upstream order."""
-        return {t: self.token_id(t) for t in (EOS_TOKEN, *COSYVOICE2_SPECIAL_TOKENS)}
+        """`<|endoftext|>` and the kind's special tokens with their ids, in upstream order."""
+        return {t: self.token_id(t) for t in (EOS_TOKEN, *SPECIAL_TOKENS[self.kind])}
 
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

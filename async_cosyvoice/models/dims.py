@@ -1,14 +1,20 @@
 """Model dimensions: the hyperparameters every module is built from.
 
-model_dir.py fills these from an official `cosyvoice2.yaml` + `CosyVoice-BlankEN/config.json` and
-random_model/ writes directories from them, both through the one table of dims_map.py. Defaults are the official
-CosyVoice2-0.5B values (facts sheet §1.2, §2.1).
+model_dir.py fills these from an official `cosyvoice2.yaml` / `cosyvoice3.yaml` + `CosyVoice-BlankEN/config.json`
+and random_model/ writes directories from them, both through the tables of dims_map.py. Defaults are the
+official CosyVoice2-0.5B values (facts sheet §1.2, §2.1); `cosyvoice3_dims()` gives Fun-CosyVoice3-0.5B's.
+`ModelDims.kind` says which model a directory holds; it is read from the directory (the yaml's name).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+ModelKind = Literal["cosyvoice2", "cosyvoice3"]
+MODEL_KINDS: tuple[str, ...] = ("cosyvoice2", "cosyvoice3")
 
 SPEECH_TOKEN_SIZE = 6561
+# CosyVoice2's special speech ids (SpeechIds.of says them for every kind)
 EOS_TOKEN = 6561  # speech_token_size
 EOS2_TOKEN = 6562
 FILL_TOKEN = 6563  # speech_token_size + 2, bistream only
@@ -16,6 +22,54 @@ STOP_TOKENS = (EOS_TOKEN, EOS2_TOKEN, FILL_TOKEN)
 SPEECH_VOCAB = SPEECH_TOKEN_SIZE + 3  # rows of speech_embedding / llm_decoder
 SOS_ROW = 0  # rows of llm_embedding
 TASK_ROW = 1
+# CosyVoice3: the FSQ silent and breath tokens (upstream CosyVoice3Model.silent_tokens); after
+# MAX_SILENT_RUN of them in a row, further ones are dropped before the flow (the LM still sees them)
+COSYVOICE3_SILENT_TOKENS = frozenset((1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323))
+MAX_SILENT_RUN = 5
+
+
+@dataclass(frozen=True)
+class SpeechIds:
+    """The speech vocabulary of an LM: ids 0..size-1 are speech tokens, every id >= size ends a
+    generation (upstream's stop_token_ids), `vocab` rows in speech_embedding / llm_decoder.
+
+    CosyVoice2: vocab size+3, eos size, fill size+2; sos and task are rows 0 and 1 of a separate
+    `llm_embedding` (sos/task None here). CosyVoice3: vocab size+200, sos size, eos size+1,
+    task size+2, fill size+3, all rows of speech_embedding. In both, `min_len` masks id `size`
+    only (upstream's ignore_eos): CosyVoice2's eos, but CosyVoice3's sos, so that its real eos and
+    the other stop ids stay sampleable before min_len."""
+    size: int
+    vocab: int
+    eos: int
+    fill: int
+    sos: int | None = None
+    task: int | None = None
+
+    @classmethod
+    def of(cls, kind: str, speech_token_size: int = SPEECH_TOKEN_SIZE) -> "SpeechIds":
+        n = speech_token_size
+        if kind == "cosyvoice3":
+            return cls(n, n + 200, eos=n + 1, fill=n + 3, sos=n, task=n + 2)
+        return cls(n, n + 3, eos=n, fill=n + 2)
+
+    @property
+    def min_len_masked(self) -> int:
+        """The one id masked while fewer than min_len tokens are out (upstream: speech_token_size)."""
+        return self.size
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.size, self.vocab))
+
+    def is_stop(self, token: int) -> bool:
+        return token >= self.size
+
+    def ends_bistream(self, token: int) -> bool:
+        """Whether `token`, sampled after a bistream request's text ended, ends it. CosyVoice2: its EOS
+        only (upstream raises on 6562/6563). CosyVoice3: any stop id, as its unistream decode stops on
+        all 200 (upstream's bistream loop, written for CosyVoice2's three ids, would raise on all but
+        6562: with random weights nearly every request, with the released model practically never)."""
+        return token == self.eos or (self.sos is not None and self.is_stop(token))
 
 
 @dataclass(frozen=True)
@@ -53,6 +107,16 @@ class LMDims:
     mix_ratio: tuple[int, int] = (5, 15)
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
+    kind: str = "cosyvoice2"  # ModelKind: the LM's input tables and speech vocabulary
+
+    @property
+    def ids(self) -> SpeechIds:
+        return SpeechIds.of(self.kind, self.speech_token_size)
+
+    @property
+    def silent_tokens(self) -> frozenset[int]:
+        """Speech ids whose long runs are cut before the flow (empty: none, CosyVoice2)."""
+        return COSYVOICE3_SILENT_TOKENS if self.kind == "cosyvoice3" else frozenset()
 
 
 @dataclass(frozen=True)
@@ -197,16 +261,23 @@ class MelDims:
 
 @dataclass(frozen=True)
 class ModelDims:
+    kind: str = "cosyvoice2"  # ModelKind, from the directory (never configured)
     sample_rate: int = 24000
     token_frame_rate: int = 25
     token_mel_ratio: int = 2
     chunk_size: int = 25
     lm: LMDims = field(default_factory=LMDims)
     sampling: RASParams = field(default_factory=RASParams)
-    flow: FlowDims = field(default_factory=FlowDims)
+    flow: FlowDims | DiTFlowDims = field(default_factory=FlowDims)
     hift: HiFTDims = field(default_factory=HiFTDims)
     feat: MelDims = field(default_factory=MelDims)
 
     @property
     def samples_per_token(self) -> int:
         return self.hift.samples_per_frame * self.token_mel_ratio
+
+
+def cosyvoice3_dims() -> ModelDims:
+    """Fun-CosyVoice3-0.5B (upstream examples/libritts/cosyvoice3/conf/cosyvoice3.yaml)."""
+    return ModelDims(kind="cosyvoice3", lm=LMDims(kind="cosyvoice3"), flow=DiTFlowDims(),
+                     hift=HiFTDims(causal=True, conv_pre_look_right=4), feat=MelDims(fmax=None))

@@ -1,8 +1,13 @@
-"""CosyVoice2 text-to-speech-token LM: a Qwen2 backbone between speech-token embeddings and head.
+"""The text-to-speech-token LMs: a Qwen2 backbone between speech-token embeddings and a head.
 
-Prompt layout (facts §2.4): [llm_embedding[sos]; embed_tokens(text); llm_embedding[task];
-speech_embedding(prompt speech)]. The output head is `llm_decoder` on the post-norm hidden state;
-the Qwen text head is never used (the official `llm.model.lm_head.weight` is dropped on load).
+Prompt layout (facts §2.4): [sos; embed_tokens(text); task; speech_embedding(prompt speech)]. The
+output head is `llm_decoder` on the post-norm hidden state; the Qwen text head is never used (the
+official `llm.model.lm_head.weight` is dropped on load).
+
+CosyVoice2 (`Qwen2LM` upstream): sos and task are rows 0 and 1 of `llm_embedding`; 6561 + 3 speech
+rows, `llm_decoder` with bias. CosyVoice3 (`CosyVoice3LM`): no `llm_embedding` (sos and task are
+speech rows 6561 and 6563), 6561 + 200 speech rows, `llm_decoder` without bias; everything else is
+shared. `SpeechIds` (dims.py) says each kind's special ids.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .dims import EOS_TOKEN, SOS_ROW, SPEECH_VOCAB, STOP_TOKENS, TASK_ROW, LMDims
+from .dims import SOS_ROW, TASK_ROW, LMDims, SpeechIds
 from .qwen2 import KVCache, Qwen2Model
 
 # (log-probs [V], tokens decoded so far) -> next token id
@@ -22,19 +27,29 @@ Sampler = Callable[[Tensor, Sequence[int]], int]
 
 class Table(Enum):
     """The three input embedding tables; an LM input row is (table, id)."""
-    LLM = "llm"        # llm_embedding: SOS_ROW, TASK_ROW
+    LLM = "llm"        # llm_embedding: SOS_ROW, TASK_ROW (CosyVoice2 only)
     TEXT = "text"      # the Qwen text embedding (backbone.embed_tokens)
     SPEECH = "speech"  # speech_embedding
 
 
 Part = tuple[Table, tuple[int, ...]]  # consecutive input rows from one table
-SOS: Part = (Table.LLM, (SOS_ROW,))
+SOS: Part = (Table.LLM, (SOS_ROW,))  # CosyVoice2's
 TASK: Part = (Table.LLM, (TASK_ROW,))
 
 
-def prompt_parts(text_tokens: Sequence[int], prompt_speech_tokens: Sequence[int]) -> tuple[Part, ...]:
+def sos_part(ids: SpeechIds) -> Part:
+    return SOS if ids.sos is None else (Table.SPEECH, (ids.sos,))
+
+
+def task_part(ids: SpeechIds) -> Part:
+    return TASK if ids.task is None else (Table.SPEECH, (ids.task,))
+
+
+def prompt_parts(text_tokens: Sequence[int], prompt_speech_tokens: Sequence[int],
+                 ids: SpeechIds = SpeechIds.of("cosyvoice2")) -> tuple[Part, ...]:
     """The unistream prompt (facts §2.4): [sos; text; task; prompt speech]."""
-    return SOS, (Table.TEXT, tuple(text_tokens)), TASK, (Table.SPEECH, tuple(prompt_speech_tokens))
+    return (sos_part(ids), (Table.TEXT, tuple(text_tokens)), task_part(ids),
+            (Table.SPEECH, tuple(prompt_speech_tokens)))
 
 
 def input_rows(parts: Sequence[Part]) -> list[tuple[Table, int]]:
@@ -43,23 +58,27 @@ def input_rows(parts: Sequence[Part]) -> list[tuple[Table, int]]:
 
 
 class CosyVoice2LM(nn.Module):
+    """CosyVoice2's LM; `CosyVoice3LM` changes only its tables (see the module docstring)."""
+
     def __init__(self, dims: LMDims):
         super().__init__()
         self.dims = dims
+        self.ids = dims.ids
         hidden = dims.qwen.hidden_size
         self.backbone = Qwen2Model(dims.qwen)
-        self.llm_embedding = nn.Embedding(2, hidden)
-        self.speech_embedding = nn.Embedding(SPEECH_VOCAB, hidden)
-        self.llm_decoder = nn.Linear(hidden, SPEECH_VOCAB, bias=True)
+        if self.ids.sos is None:
+            self.llm_embedding = nn.Embedding(2, hidden)
+        self.speech_embedding = nn.Embedding(self.ids.vocab, hidden)
+        self.llm_decoder = nn.Linear(hidden, self.ids.vocab, bias=dims.kind == "cosyvoice2")
 
     def embed_prompt(self, text_tokens: Sequence[int] | Tensor, prompt_speech_tokens: Sequence[int] | Tensor) -> Tensor:
         """[L, H] prefill embeddings, L = len(text) + len(prompt speech) + 2."""
         text, speech = (_token_ids(t) for t in (text_tokens, prompt_speech_tokens))
-        return self.embed_parts(prompt_parts(text, speech))
+        return self.embed_parts(prompt_parts(text, speech, self.ids))
 
     def embed_parts(self, parts: Sequence[Part]) -> Tensor:
         """[L, H] embeddings of input rows given as parts, L = the total number of ids."""
-        tables = {Table.LLM: self.llm_embedding, Table.TEXT: self.backbone.embed_tokens,
+        tables = {Table.LLM: getattr(self, "llm_embedding", None), Table.TEXT: self.backbone.embed_tokens,
                   Table.SPEECH: self.speech_embedding}
         device = self.speech_embedding.weight.device
         return torch.cat([tables[table](torch.tensor(ids, dtype=torch.long, device=device)) for table, ids in parts])
@@ -80,8 +99,8 @@ class CosyVoice2LM(nn.Module):
                            min_len: int, max_len: int, sampler: Sampler) -> list[int]:
         """Upstream's unistream decode loop for one request, kept plain as the engines' oracle.
 
-        At most `max_len` steps; EOS (6561) is masked while fewer than `min_len` tokens are out;
-        any stop id ends the loop and is not returned. `sampler` sees float32 log-probs.
+        At most `max_len` steps; id 6561 (`ids.min_len_masked`) is masked while fewer than `min_len`
+        tokens are out; any stop id ends the loop and is not returned. `sampler` sees float32 log-probs.
         """
         x = self.embed_prompt(text_tokens, prompt_speech_tokens)[None]
         prompt_len = x.shape[1]
@@ -93,14 +112,26 @@ class CosyVoice2LM(nn.Module):
             hidden = self.backbone(x, positions, cache, slots)
             logp = self.logits(hidden[0, -1]).float().log_softmax(-1)
             if step < min_len:
-                logp[EOS_TOKEN] = -float("inf")
+                logp[self.ids.min_len_masked] = -float("inf")
             token = sampler(logp, out)
-            if token in STOP_TOKENS:
+            if self.ids.is_stop(token):
                 break
             out.append(token)
             x = self.embed_speech(torch.tensor([[token]], device=x.device))
             positions = torch.tensor([[prompt_len + step]], device=x.device)
         return out
+
+
+class CosyVoice3LM(CosyVoice2LM):
+    """Fun-CosyVoice3's LM (`dims.kind` "cosyvoice3"): the same module with CosyVoice3's tables."""
+
+    def __init__(self, dims: LMDims):
+        if dims.kind != "cosyvoice3":
+            raise ValueError(f"CosyVoice3LM needs LMDims(kind='cosyvoice3'), got kind {dims.kind!r}")
+        super().__init__(dims)
+
+
+LM_CLASSES: dict[str, type[CosyVoice2LM]] = {"cosyvoice2": CosyVoice2LM, "cosyvoice3": CosyVoice3LM}
 
 
 def _token_ids(tokens: Sequence[int] | Tensor) -> tuple[int, ...]:

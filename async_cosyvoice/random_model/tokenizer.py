@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from async_cosyvoice.dims_map import qwen_config
-from async_cosyvoice.frontend.tokenizer import COSYVOICE2_SPECIAL_TOKENS, EOS_TOKEN, qwen2_pipeline
+from async_cosyvoice.frontend.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, qwen2_pipeline
 
 from .presets import Preset
 from .weights import STD
@@ -80,7 +80,7 @@ def write_blank_en(out: Path, preset: Preset) -> None:
     vocab = tok.get_vocab(with_added_tokens=False)
     assert sorted(vocab.values()) == list(range(n_bpe)), "BPE ids are not contiguous"
     q = preset.dims.lm.qwen
-    if q.vocab_size < n_bpe + len(BASE_SPECIALS) + len(COSYVOICE2_SPECIAL_TOKENS) - 1:
+    if q.vocab_size < n_bpe + len(BASE_SPECIALS) + len(SPECIAL_TOKENS[preset.dims.kind]) - 1:
         raise ValueError(f"preset {preset.name}: config vocab_size {q.vocab_size} < tokenizer length")
     (out / "vocab.json").write_text(
         json.dumps(dict(sorted(vocab.items(), key=lambda kv: kv[1])), ensure_ascii=False, separators=(",", ":")),

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from async_cosyvoice.models.dims import (
-    EOS2_TOKEN as SPEECH_EOS2, EOS_TOKEN as SPEECH_EOS, SPEECH_VOCAB, DiTFlowDims, EncoderDims, EstimatorDims, FlowDims,
+    EOS2_TOKEN as SPEECH_EOS2, EOS_TOKEN as SPEECH_EOS, DiTFlowDims, EncoderDims, EstimatorDims, FlowDims,
     HiFTDims, LMDims,
 )
 
@@ -43,10 +43,13 @@ def _norm(prefix: str, n: int, bias: bool = True) -> list[Spec]:
 
 
 def llm_specs(lm: LMDims) -> list[Spec]:
+    """llm.pt of Qwen2LM, or of CosyVoice3LM (`lm.kind`: no llm_embedding, 6561 + 200 speech rows,
+    llm_decoder without bias)."""
     q = lm.qwen
     h, kv = q.hidden_size, q.num_kv_heads * q.head_dim
-    specs: list[Spec] = [("llm_embedding.weight", (2, lm.llm_input_size), ("normal", STD)),
-                         ("llm.model.model.embed_tokens.weight", (q.vocab_size, h), ("normal", STD))]
+    v3 = lm.kind == "cosyvoice3"
+    specs: list[Spec] = [] if v3 else [("llm_embedding.weight", (2, lm.llm_input_size), ("normal", STD))]
+    specs += [("llm.model.model.embed_tokens.weight", (q.vocab_size, h), ("normal", STD))]
     for i in range(q.num_layers):
         p = f"llm.model.model.layers.{i}"
         specs += _linear(f"{p}.self_attn.q_proj", h, h)
@@ -60,8 +63,9 @@ def llm_specs(lm: LMDims) -> list[Spec]:
         specs += _norm(f"{p}.post_attention_layernorm", h, bias=False)
     specs += _norm("llm.model.model.norm", h, bias=False)
     specs += [("llm.model.lm_head.weight", (q.vocab_size, h), ("tied", "llm.model.model.embed_tokens.weight"))]
-    specs += _linear("llm_decoder", SPEECH_VOCAB, lm.llm_output_size)
-    specs += [("speech_embedding.weight", (SPEECH_VOCAB, lm.llm_input_size), ("normal", STD))]
+    vocab = lm.ids.vocab
+    specs += _linear("llm_decoder", vocab, lm.llm_output_size, bias=not v3)
+    specs += [("speech_embedding.weight", (vocab, lm.llm_input_size), ("normal", STD))]
     return specs
 
 
@@ -278,6 +282,13 @@ def random_state_dict(specs: list[Spec], gen: torch.Generator) -> dict[str, torc
 
 def llm_state_dict(preset: Preset, gen: torch.Generator) -> dict[str, torch.Tensor]:
     sd = random_state_dict(llm_specs(preset.dims.lm), gen)
+    if preset.dims.lm.kind == "cosyvoice3":
+        # no decoder bias to lift EOS with: the special rows (6561..6760) are zeroed, so their
+        # logit 0 never reaches RAS's top-25 nucleus (speech logits there are ~+2.5 sigma); a
+        # generation then ends at max_len, or where a repetition redraw from the full softmax
+        # happens to pick a stop id (CosyVoice3 stops on any of them)
+        sd["llm_decoder.weight"][preset.dims.lm.speech_token_size:] = 0
+        return sd
     logit_std = STD * math.sqrt(preset.dims.lm.llm_output_size)
     sd["llm_decoder.bias"][SPEECH_EOS] += preset.eos_logit_boost * logit_std
     sd["llm_decoder.bias"][SPEECH_EOS2] -= preset.eos2_logit_drop * logit_std

@@ -1,6 +1,7 @@
-"""Write a randomly initialised CosyVoice2 model directory in exactly the official format.
+"""Write a randomly initialised CosyVoice2 or CosyVoice3 model directory in exactly the official format.
 
     python -m async_cosyvoice.tools.make_random_model --preset tiny --out DIR --seed 0
+    python -m async_cosyvoice.tools.make_random_model --preset cosyvoice3-0.5b --out DIR   # full-size CosyVoice3
 
 The generator itself is `async_cosyvoice.random_model` (its docstring describes the files and presets).
 """
@@ -15,7 +16,7 @@ from async_cosyvoice.random_model import PRESETS, make_random_model
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m async_cosyvoice.tools.make_random_model",
-                                 description="Write a randomly initialised CosyVoice2 model directory "
+                                 description="Write a randomly initialised CosyVoice2 or CosyVoice3 model directory "
                                              "in the official format.")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--out", required=True, type=Path, help="directory to create")

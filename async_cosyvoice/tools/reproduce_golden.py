@@ -4,9 +4,11 @@
 
 Reads MODEL_DIR/golden/inputs.json, prompt_16k.wav, prompt_24k.wav, the model dir's spk2info.pt,
 and only the input keys of the golden npz files (flow: token, prompt_token, prompt_feat,
-embedding; hift: mel1, mel2, zero/cache_source_for_2, seeded/torch_seed and draws; ras: scores
-and histories; e2e: token, prompt, token_hop_len; llm: forced tokens). Writes OUT_DIR files
-named and keyed like the golden ones, so `compare` can diff them array by array.
+embedding; hift: mel1, mel2, zero/cache_source_for_2, seeded/torch_seed and draws; ras: scores,
+histories and ignore_eos; e2e: token, prompt, token_hop_len; llm: forced tokens, the silence
+cap's sampled ids). Writes OUT_DIR files named and keyed like the golden ones, so `compare` can
+diff them array by array. A CosyVoice3 directory (its kind is read from the directory) gets the
+same stages with CosyVoice3's ids, system prompt and silence cap.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ import numpy as np
 import torch
 
 from ..engine.base import length_limits
+from ..engine.silence import SilenceCap
 from ..frontend import audio as A
-from ..frontend.model_input import build_model_input
+from ..frontend.model_input import SystemPrompt, build_model_input
 from ..frontend.prompt import PromptEncoder
 from ..frontend.spk2info import load_spk2info
 from ..frontend.text import write_text_golden
 from ..model_dir import ModelDir, Models, build_models, load_model_dir
-from ..models.dims import EOS_TOKEN
+from ..models.cosyvoice3.nsf_noise import FixedNSFNoise
 from ..models.hift import NSFNoise
 from ..request import Mode, Voice
 from ..sampling import nucleus, ras_sample
@@ -49,7 +52,7 @@ class Context:
         return np.load(self.golden / name)
 
     def t(self, a) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(a))
+        return torch.from_numpy(np.array(a))
 
 
 def _np(x) -> np.ndarray:
@@ -102,6 +105,7 @@ def _parse_call(call: str) -> tuple[str, list]:
 
 def model_inputs(ctx: Context) -> dict[str, np.ndarray]:
     tok = ctx.model_dir.tokenizer()
+    system = SystemPrompt.for_tokenizer(tok.encode, ctx.model_dir.kind)
     texts = ctx.inputs["texts"]
     speakers = load_spk2info(ctx.model_dir.spk2info_path, tok.encode) if ctx.model_dir.spk2info_path else {}
 
@@ -122,18 +126,19 @@ def model_inputs(ctx: Context) -> dict[str, np.ndarray]:
             v = voice(wav, spk)
             if not spk:
                 v = v.with_transcript(text(prompt), tok.encode(text(prompt)))
-            mi = build_model_input(mode, v, text_tokens=tok.encode(text(tts)))
+            mi = build_model_input(mode, v, text_tokens=tok.encode(text(tts)), system_prompt=system)
         elif fn == "frontend_cross_lingual":
             tts, wav, _, spk = args
-            mi = build_model_input(Mode.CROSS_LINGUAL, voice(wav, spk), text_tokens=tok.encode(text(tts)))
+            mi = build_model_input(Mode.CROSS_LINGUAL, voice(wav, spk), text_tokens=tok.encode(text(tts)),
+                                   system_prompt=system)
         elif fn == "frontend_instruct2":
             tts, instruct, wav, _, spk = args
             mi = build_model_input(Mode.INSTRUCT2, voice(wav, spk), text_tokens=tok.encode(text(tts)),
-                                   instruction_tokens=tok.encode(text(instruct)))
+                                   instruction_tokens=tok.encode(text(instruct)), system_prompt=system)
         elif fn == "frontend_sft":
             tts, spk = args
             mi = build_model_input(Mode.SFT, Voice.embedding_only(speakers[spk].embedding),
-                                   text_tokens=tok.encode(text(tts)))
+                                   text_tokens=tok.encode(text(tts)), system_prompt=system)
         else:
             raise ValueError(f"unsupported frontend call {fn} in {call!r}")
         out.update({f"{name}/{k}": v for k, v in mi.to_upstream_dict().items()})
@@ -146,8 +151,10 @@ def model_inputs(ctx: Context) -> dict[str, np.ndarray]:
 def llm(ctx: Context, mi: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     golden = ctx.npz("llm.npz")
     lm = ctx.models.llm
-    cases = sorted({k.split("/")[0] for k in golden.files})
+    cases = sorted({k.split("/")[0] for k in golden.files} - {"silent_filter"})
     out = {}
+    if "silent_filter/sampled" in golden.files:
+        out.update(silent_filter(lm.ids, lm.dims.silent_tokens, golden["silent_filter/sampled"]))
     for case in cases:
         forced = [int(t) for t in golden[f"{case}/forced_tokens"]]
         prompt_text = mi.get(f"{case}/prompt_text", np.zeros((1, 0), np.int32))
@@ -169,7 +176,8 @@ def llm(ctx: Context, mi: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         logits = torch.stack(logits_rows).float()
         logp = logits.log_softmax(-1)
         sampler_in = logp.clone()
-        sampler_in[:min_len, EOS_TOKEN] = -float("inf")
+        sampler_in[:min_len, lm.ids.min_len_masked] = -float("inf")
+        masked_ids = [lm.ids.min_len_masked if step < min_len else -1 for step in range(len(forced))]
         full_in = torch.cat([x, lm.embed_speech(torch.tensor(forced[:-1]))[None]], dim=1)
         full_h = lm.backbone(full_in, torch.arange(full_in.shape[1])[None])
         full_logp = lm.logits(full_h[0, L - 1:]).float().log_softmax(-1)
@@ -177,17 +185,33 @@ def llm(ctx: Context, mi: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             f"{case}/lm_input": _np(x), f"{case}/min_len": np.array([min_len], np.int64),
             f"{case}/max_len": np.array([max_len], np.int64), f"{case}/hidden_last": _np(torch.stack(hidden_rows)),
             f"{case}/logits": _np(logits), f"{case}/logp": _np(logp), f"{case}/sampler_in": _np(sampler_in),
-            f"{case}/full_forward_logp": _np(full_logp),
+            f"{case}/full_forward_logp": _np(full_logp), f"{case}/sampler_masked_ids": np.array(masked_ids, np.int64),
         })
     return out
+
+
+def silent_filter(ids, silent_tokens, sampled) -> dict[str, np.ndarray]:
+    """upstream llm_job fed by a sampler returning `sampled`: the LM emits up to the first stop id,
+    the silence cap decides what reaches the flow, the LM's history holds every emitted token."""
+    emitted = []
+    for t in (int(x) for x in sampled):
+        if ids.is_stop(t):
+            break
+        emitted.append(t)
+    cap = SilenceCap(silent_tokens)
+    return {"silent_filter/kept": np.array(cap.filter(emitted), np.int64),
+            "silent_filter/decoded_history_last_step": np.array(emitted, np.int64)}
 
 
 def ras(ctx: Context) -> dict[str, np.ndarray]:
     golden = ctx.npz("ras.npz")
     params = ctx.model_dir.dims.sampling
+    masked_id = ctx.model_dir.dims.lm.ids.min_len_masked
     out = {}
     for case in sorted({k.split("/")[0] for k in golden.files}):
-        scores = torch.from_numpy(golden[f"{case}/weighted_scores"])
+        scores = torch.from_numpy(golden[f"{case}/weighted_scores"]).clone()
+        if f"{case}/ignore_eos" in golden.files and int(golden[f"{case}/ignore_eos"][0]):
+            scores[masked_id] = -float("inf")  # upstream sampling_ids(ignore_eos=True)
         decoded = [int(t) for t in golden[f"{case}/decoded_tokens"]]
         ids, probs = nucleus(scores, params.top_p, params.top_k)
         out[f"{case}/nucleus_ids"] = _np(ids).astype(np.int64)
@@ -278,6 +302,107 @@ def e2e(ctx: Context, name: str) -> dict[str, np.ndarray]:
     return out
 
 
+# DiT internals of CFG step 1 the CosyVoice3 flow golden records (module outputs)
+DIT_INTERNALS = {"est_step1_time_embed": "time_embed", "est_step1_input_embed": "input_embed",
+                 "est_step1_block0_out": "transformer_blocks.0", "est_step1_norm_out": "norm_out"}
+
+
+def flow_cosyvoice3(ctx: Context) -> dict[str, np.ndarray]:
+    g = ctx.npz("flow.npz")
+    flow = ctx.models.flow
+    modules = dict(flow.decoder.estimator.named_modules())
+    out = {}
+    for prefix, streaming, finalize in (("nonstream", False, True), ("chunk", True, False)):
+        trace: dict = {}
+        def record(key: str):
+            def hook(module, args, output) -> None:  # returns None: the output is not replaced
+                trace.setdefault(key, output)  # CFG step 1 is the first call
+            return hook
+        hooks = [modules[m].register_forward_hook(record(key)) for key, m in DIT_INTERNALS.items()]
+        try:
+            flow.inference(ctx.t(g["token"]), ctx.t(g["prompt_token"]), ctx.t(g["prompt_feat"]), ctx.t(g["embedding"]),
+                           streaming=streaming, finalize=finalize, trace=trace)
+        finally:
+            for h in hooks:
+                h.remove()
+        trace["spk_proj"] = trace["spks"]  # the affine layer on the normalized x-vector is the CFM's spks
+        out.update({f"{prefix}/{k}": _np(v) for k, v in trace.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def hift_cosyvoice3(ctx: Context) -> dict[str, np.ndarray]:
+    g = ctx.npz("hift.npz")
+    mel = ctx.t(g["mel"])
+    hift = ctx.models.hift
+    real = hift.nsf_noise
+    out = {"nsf/rand_ini": _np(real.rand_ini), "nsf/sine_waves_prefix": _np(real.sine_noise(4800, "cpu"))}
+    for kind, noise in (("real", real), ("zero", FixedNSFNoise.zeros(ctx.model_dir.dims.hift.nb_harmonics + 1))):
+        hift.nsf_noise = noise
+        for call in ("final", "nonfinal"):
+            trace: dict = {}
+            speech, source = hift.inference(mel, finalize=call == "final", trace=trace)
+            out.update({f"{kind}/{call}/speech": _np(speech), f"{kind}/{call}/source": _np(source),
+                        f"{kind}/{call}/f0": _np(trace["f0"])})
+    hift.nsf_noise = real
+    return out
+
+
+@torch.inference_mode()
+def seeded_speech_tokens(ctx: Context, mode: str, seed: int, mi: dict[str, np.ndarray]) -> list[int]:
+    """The `e2e_llm_calls` entry point of `mode` after torch.manual_seed(seed): upstream's decode loop
+    (`generate_reference`) with RAS on torch's CPU generator, then the silence cap."""
+    tok, texts = ctx.model_dir.tokenizer(), ctx.inputs["texts"]
+    call = ctx.inputs["e2e_llm_calls"][mode]
+    fn, args = call.split("(", 1)
+    names = [a.strip()[len("texts."):] for a in args.split(",") if a.strip().startswith("texts.")]
+    text = tok.encode(texts[names[0]])
+    prompt_text = tok.encode(texts[names[1]]) if len(names) > 1 else []
+    speech = mi[f"{mode}/llm_prompt_speech_token"][0].tolist() if fn.endswith("zero_shot") else []
+    lm = ctx.models.llm
+    min_len, max_len = length_limits(len(text), lm.dims.min_token_text_ratio, lm.dims.max_token_text_ratio)
+    torch.manual_seed(seed)
+    out = lm.generate_reference(prompt_text + text, speech, min_len, max_len,
+                                lambda logp, decoded: ras_sample(logp, decoded, ctx.model_dir.dims.sampling))
+    return SilenceCap(lm.dims.silent_tokens).filter(out)
+
+
+def e2e_cosyvoice3(ctx: Context, name: str, mi: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A CosyVoice3 end-to-end golden through the production streaming path: Token2WavStream (the
+    schedule at the golden's hop, upstream's prompt-aligned first hop, the causal vocoder's carry)
+    and Token2WavRunner (batched DiT flow through the exact flow state cache, CausalHiFT with
+    upstream's NSF noise; the VC goldens' zero-noise audio with the noise-free source). The seeded
+    LLM runs render the tokens `seeded_speech_tokens` draws."""
+    g = ctx.npz(name)
+    md, models = ctx.model_dir, ctx.models
+    if "token" in g.files:  # VC: the fixed tokens with the golden's prompt
+        tokens = [int(t) for t in g["token"][0]]
+        prompt = [ctx.t(g[k]) for k in ("prompt_token", "prompt_feat", "embedding")]
+        hop = int(g["token_hop_len"][0])
+    else:  # seeded LLM: the frontend's prompt of the mode, upstream's hop 25
+        mode = name[len("e2e_llm_"):-len(".npz")].rsplit("_", 1)[0]
+        tokens = seeded_speech_tokens(ctx, mode, int(g["torch_seed"][0]), mi)
+        prompt = [ctx.t(mi[f"{mode}/{k}"])
+                  for k in ("flow_prompt_speech_token", "prompt_speech_feat", "flow_embedding")]
+        hop = 25
+    streaming = not name.endswith("nonstream.npz")
+    zero_hift = build_models(md, with_llm=False).hift
+    zero_hift.nsf_noise = FixedNSFNoise.zeros(md.dims.hift.nb_harmonics + 1)
+    out: dict[str, np.ndarray] = {}
+    for key, hift in (("audio", models.hift), ("audio_zero_noise", zero_hift)):
+        records: list[ChunkRecord] = []
+        runner = Token2WavRunner(models.flow, hift, recorder=records.append)
+        stream = Token2WavStream(*prompt, stream=streaming, schedule=ChunkSchedule(first_hop=hop), causal_vocoder=True)
+        chunks = runner.render(stream, tokens)
+        out[key] = _np(torch.cat(chunks))[None]
+        out["chunk_lengths"] = np.array([c.numel() for c in chunks], np.int64)
+    for i, r in enumerate(records):  # upstream's flow output of each call, before the offset slice
+        out[f"call{i}/flow_mel"] = _np(models.flow.inference(
+            torch.tensor(tokens[:r.n_tokens])[None], *prompt, streaming=r.flow_streaming, finalize=r.finalize))
+    out["hift_in_mel_final"] = _np(records[-1].hift_in_mel)
+    out["speech_tokens"] = np.array(tokens, np.int64)[None]
+    return out
+
+
 # -- driver ---------------------------------------------------------------------------------------
 
 def reproduce(model_dir: str | Path, out_dir: str | Path, threads: int | None = 1) -> list[Path]:
@@ -288,7 +413,8 @@ def reproduce(model_dir: str | Path, out_dir: str | Path, threads: int | None = 
     golden = md.path / "golden"
     if not (golden / "inputs.json").is_file():
         raise FileNotFoundError(f"{golden / 'inputs.json'} not found: {md.path} has no golden inputs")
-    ctx = Context(md, golden, build_models(md), PromptEncoder.from_model_dir(md.path, mel=md.dims.feat),
+    encoder = PromptEncoder.from_model_dir(md.path, mel=md.dims.feat, speech_tokenizer=md.speech_tokenizer_onnx.name)
+    ctx = Context(md, golden, build_models(md), encoder,
                   json.loads((golden / "inputs.json").read_text(encoding="utf-8")))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -305,6 +431,12 @@ def reproduce(model_dir: str | Path, out_dir: str | Path, threads: int | None = 
         save("llm.npz", llm(ctx, mi))
     if (golden / "ras.npz").is_file():
         save("ras.npz", ras(ctx))
+    if md.kind == "cosyvoice3":
+        save("flow.npz", flow_cosyvoice3(ctx))
+        save("hift.npz", hift_cosyvoice3(ctx))
+        for path in sorted(golden.glob("e2e_*.npz")):
+            save(path.name, e2e_cosyvoice3(ctx, path.name, mi))
+        return written
     if (golden / "flow.npz").is_file():
         save("flow.npz", flow(ctx))
     if (golden / "hift.npz").is_file():
