@@ -15,7 +15,6 @@ from async_cosyvoice.config import Config
 from async_cosyvoice.placement import create_synthesizer
 from async_cosyvoice.speakers import SpeakerStore
 from async_cosyvoice.startup import CAPTURES, PHASES, Startup
-from grpc_async import pb2
 from grpc_async.client import CosyVoiceClient, collect
 from grpc_async.server import ServerThread
 
