@@ -191,6 +191,7 @@ def test_export_layout_and_reexport_on_change(tiny_dir, tmp_path):
     src = tmp_path / "model"
     (src / "CosyVoice-BlankEN").mkdir(parents=True)
     (src / "CosyVoice-BlankEN" / "config.json").write_bytes((tiny_dir / "CosyVoice-BlankEN" / "config.json").read_bytes())
+    (src / "cosyvoice2.yaml").write_bytes((tiny_dir / "cosyvoice2.yaml").read_bytes())  # the export is keyed by the model's kind
     (src / "llm.pt").write_bytes((tiny_dir / "llm.pt").read_bytes())
     cache = tmp_path / "cache"
 
