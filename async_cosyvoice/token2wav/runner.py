@@ -206,9 +206,9 @@ class Token2WavRunner:
             plans = {i: self._cached_plan(jobs[i]) for i in cached}
             cached_run = lambda idx: self._flow_cached([jobs[i] for i in idx], [plans[i] for i in idx])  # noqa: E731
             cached_lengths = [plans[i][1] for i in cached]
-        for i in full:
-            if jobs[i].finalize:
-                self._release(jobs[i].stream)
+        for i, job in enumerate(jobs):
+            if job.finalize and i not in cached:
+                self._release(job.stream)  # its slot's state is of no further use
         for todo, lengths, run in (
                 (full, [jobs[i].stream.prompt_token.shape[1] + jobs[i].n_tokens for i in full],
                  lambda idx: self._flow_batch([jobs[i] for i in idx])),
@@ -419,12 +419,7 @@ class Token2WavRunner:
             jobs, [(s, e + c) for s, e, c in zip(starts, ends, contexts)])
         mel, states = flow.forward_cached(tokens, g, prompt_feat, feat_lens, embedding,
                                           [state for state, _, _ in plans], contexts)
-        st = self.stats
-        st.flow_calls += 1
-        st.flow_items += B
-        st.flow_frames += ratio * sum(g.new)
-        st.flow_padded_frames += B * mel.shape[2]
-        st.flow_cached_frames += ratio * sum(starts)
+        self._count_flow_call(B, ratio * sum(g.new), B * mel.shape[2], ratio * sum(starts))
         out = []
         for b, (j, (old, _, _), state) in enumerate(zip(jobs, plans, states)):
             j.stream.flow_state = None if j.finalize else state
