@@ -55,6 +55,12 @@ MODEL_FILE_SUFFIXES = (".yaml", ".pt", ".pth", ".safetensors")
 Outcome = Literal["off", "hit", "miss", "mismatch", "corrupt"]
 
 
+def compile_in_use(config: Config) -> bool:
+    """Whether anything will be torch.compile'd or captured as a CUDA graph."""
+    return config.model.device.startswith("cuda") and (
+        config.engine.cuda_graphs or config.engine.compile or config.token2wav.estimator == "compiled")
+
+
 def file_fingerprint(path: Path) -> str:
     """sha256 over the size and the first and last FINGERPRINT_BYTES of a file (the whole of a small one)."""
     size = path.stat().st_size

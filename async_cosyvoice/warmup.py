@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
-from .compile_cache import compile_cache_dir, use_compile_cache  # noqa: F401 (re-exported)
+from .compile_cache import compile_cache_dir, compile_in_use, use_compile_cache  # noqa: F401 (re-exported)
 from .errors import SpeakerCorrupt, SpeakerNotFound, StoreUnavailable
 from .request import Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest
 from .token2wav import ChunkSchedule
@@ -43,12 +43,6 @@ log = logging.getLogger(__name__)
 
 WARM_TEXT = "Warm up."
 GRAPH_TARGET_TOKENS = 300  # target tokens (12 s of speech) a prompt length's flow graphs are captured for
-
-
-def compile_in_use(config: Config) -> bool:
-    """Whether anything will be torch.compile'd or captured as a CUDA graph."""
-    return config.model.device.startswith("cuda") and (
-        config.engine.cuda_graphs or config.engine.compile or config.token2wav.estimator == "compiled")
 
 
 def chunk_mel_frames(config: Config) -> range:

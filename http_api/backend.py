@@ -5,7 +5,7 @@ import asyncio
 import hmac
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from fastapi import Request
 from starlette.requests import HTTPConnection
@@ -16,15 +16,23 @@ from async_cosyvoice.limiter import StreamLimiter
 from .errors import UNAUTHORIZED, ApiError
 
 if TYPE_CHECKING:
+    from async_cosyvoice.request import FirstChunkParts
     from async_cosyvoice.tts import Synthesizer
-    from grpc_async.metrics import Metrics
+
+
+class RequestRecorder(Protocol):
+    """What the HTTP door records of each finished request (the server's metrics, shared with gRPC)."""
+
+    def record_request(self, method: str, mode: str, status: str, ok: bool, stream: str, elapsed: float,
+                       first_chunk: float | None, audio_seconds: float, tokens: int, chunks: int,
+                       first_chunk_parts: "FirstChunkParts | None" = None) -> None: ...
 
 
 @dataclass
 class Backend:
     """What the HTTP front door shares with the gRPC one."""
     config: Config
-    metrics: "Metrics"
+    metrics: RequestRecorder
     limiter: StreamLimiter
     synthesizer: Callable[[], "Synthesizer"]  # the ready Synthesizer, or raises NotReady
     # audio encoding runs here, never on the event loop

@@ -39,12 +39,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from ..compile_cache import compile_in_use, use_compile_cache
 from ..config import Config
-from ..demo import resolve_model_dir
 from ..errors import EngineDead
 from ..model_dir import ModelDir, load_model_dir
 from ..stage_stats import StageStats
-from ..warmup import compile_in_use, use_compile_cache
 from .batcher import Token2WavBatcher
 from .stage import device_token2wav_batcher
 from .stream import Token2WavJob, Token2WavStream
@@ -107,11 +106,12 @@ class Token2WavProcess:
     wait_dead, close). Construction blocks until the child has loaded its models (call it off the
     loop)."""
 
-    def __init__(self, config: Config, device: str):
+    def __init__(self, config: Config, model_dir: ModelDir, device: str):
         self.device = device
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
-        self.process = ctx.Process(target=serve_token2wav, args=(config.model_dump(mode="json"), device, child_end),
+        args = (config.model_dump(mode="json"), str(model_dir.path), device, child_end)
+        self.process = ctx.Process(target=serve_token2wav, args=args,
                                    name=f"token2wav-{device}", daemon=True)
         self.process.start()
         child_end.close()
@@ -284,15 +284,15 @@ class Token2WavProcess:
 # -- the child's side --------------------------------------------------------------------------------
 
 
-def serve_token2wav(config_json: dict, device: str, conn) -> None:
-    """The child process: load flow + HiFT on `device`, say ready, serve the pipe until "stop" or
-    until the server's end of the pipe closes."""
+def serve_token2wav(config_json: dict, model_path: str, device: str, conn) -> None:
+    """The child process: load flow + HiFT of the model directory the server resolved on `device`,
+    say ready, serve the pipe until "stop" or until the server's end of the pipe closes."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s token2wav[{device}] %(name)s: %(message)s")
     try:
         config = Config.model_validate(config_json)
         if compile_in_use(config):
             use_compile_cache(config)
-        batcher = device_token2wav_batcher(config, load_model_dir(resolve_model_dir(config.model.dir)), device)
+        batcher = device_token2wav_batcher(config, load_model_dir(model_path), device)
     except BaseException as e:  # noqa: BLE001 — reported to the server, which raises it
         conn.send(("failed", None, picklable(e)))
         return
@@ -374,5 +374,5 @@ def token2wav_worker(config: Config, model_dir: ModelDir, device: str) -> Token2
     in this process or (token2wav.process) in a child process of its own. The one place that
     decision is made, for one device and for each worker of a disaggregated pool."""
     if config.token2wav.process:
-        return Token2WavProcess(config, device)
+        return Token2WavProcess(config, model_dir, device)
     return device_token2wav_batcher(config, model_dir, device)
