@@ -42,7 +42,7 @@ from .frontend.model_input import ModelInput
 from .request import AudioChunk, SynthesisRequest, Voice
 from .request_front import TextMode
 from .stage_stats import StageStats
-from .token2wav.process import picklable
+from .token2wav.process import picklable, pipe_inbox
 from .tts import Synthesizer
 
 log = logging.getLogger(__name__)
@@ -134,19 +134,7 @@ class _WorkerServer:
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[tuple] = asyncio.Queue()
-
-        def pump() -> None:  # a thread: the pipe's messages into the loop
-            while True:
-                try:
-                    message = self.conn.recv()
-                except (EOFError, OSError):
-                    message = ("stop",)
-                loop.call_soon_threadsafe(inbox.put_nowait, message)
-                if message[0] == "stop":
-                    return
-
-        threading.Thread(target=pump, name="worker-pipe", daemon=True).start()
+        inbox = pipe_inbox(self.conn, "worker-pipe")
         death = asyncio.ensure_future(self.synth.wait_dead())
         code = 0
         while True:

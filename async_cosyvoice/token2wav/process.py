@@ -300,6 +300,26 @@ def serve_token2wav(config_json: dict, model_path: str, device: str, conn) -> No
     asyncio.run(_ChildServer(conn, batcher).serve())
 
 
+def pipe_inbox(conn, name: str) -> asyncio.Queue:
+    """A child's end of the pipe as a queue of this loop: a thread receives each message and puts
+    it there; a closed pipe reads as ("stop",), the last message."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue[tuple] = asyncio.Queue()
+
+    def pump() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = ("stop",)
+            loop.call_soon_threadsafe(inbox.put_nowait, message)
+            if message[0] == "stop":
+                return
+
+    threading.Thread(target=pump, name=name, daemon=True).start()
+    return inbox
+
+
 class _ChildServer:
     def __init__(self, conn, batcher: Token2WavBatcher):
         self.conn = conn
@@ -309,19 +329,7 @@ class _ChildServer:
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[tuple] = asyncio.Queue()
-
-        def pump() -> None:  # a thread: the pipe's messages into the loop
-            while True:
-                try:
-                    message = self.conn.recv()
-                except (EOFError, OSError):
-                    message = ("stop",)
-                loop.call_soon_threadsafe(inbox.put_nowait, message)
-                if message[0] == "stop":
-                    return
-
-        threading.Thread(target=pump, name="token2wav-pipe", daemon=True).start()
+        inbox = pipe_inbox(self.conn, "token2wav-pipe")
         while (message := await inbox.get())[0] != "stop":
             kind, key, *rest = message
             if kind == "open":
