@@ -142,6 +142,32 @@ def istft(spec: Tensor, hop: int, window: Tensor) -> Tensor:
     return y[:, pad:total - pad] / envelope[pad:total - pad]
 
 
+def reflect_after_ends(source: Tensor, ends: Tensor, n: int) -> Tensor:
+    """Right-padded sources (B, 1, L), item b's valid up to ends[b] samples: the n samples after
+    each end become that item's own STFT reflection (center=True: sample end + k is sample
+    end − 2 − k), what the STFT of the item's own call reads there."""
+    ends = ends.view(-1, 1, 1)
+    at = torch.arange(source.shape[2], device=source.device).view(1, 1, -1)
+    reflected = (at >= ends) & (at < ends + n)
+    index = torch.where(reflected, 2 * ends - 2 - at, at).clamp(0, source.shape[2] - 1)
+    return source.gather(2, index.expand(source.shape[0], 1, -1))
+
+
+def recompute_tails(speech: Tensor, spec: Tensor, frames: Tensor, hop: int, window: Tensor) -> Tensor:
+    """`istft` of right-padded spectra (B, bins, N), item b's first frames[b] frames its own: the
+    last n_fft samples before each item's end (hop·(frames[b] − 1)), whose window envelope counted
+    the padded frames, recomputed from the item's last frames alone, where the envelope is its own
+    call's. Returns a new tensor; no host syncs."""
+    n_fft, bins = window.numel(), spec.shape[1]
+    k = n_fft // hop + 4
+    idx = (frames - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=spec.device)
+    tail = istft(torch.gather(spec, 2, idx.unsqueeze(1).expand(-1, bins, -1)), hop, window)
+    keep = n_fft  # the tail call's last samples are far from its own left edge
+    ends = (frames - 1) * hop
+    pos = (ends.unsqueeze(1) - keep + torch.arange(keep, device=spec.device)).clamp(min=0)
+    return speech.scatter(1, pos, tail[:, -keep:])
+
+
 # --------------------------------------------------------------------------- F0 and source
 
 
@@ -427,17 +453,8 @@ class HiFT(HiFTStages):
         mag = torch.clip(torch.exp(x[:, :bins, :]), max=1e2)
         phase = torch.sin(x[:, bins:, :])
         spec = torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)) * m
-        speech = istft(spec, self.hop, self.stft_window)
-        # The last samples' window envelope counts the (zero) padded frames: recompute them from
-        # each item's last frames alone, where the envelope is its own call's.
-        k = self.n_fft // self.hop + 4
-        idx = (frames - k).clamp(min=0).unsqueeze(1) + torch.arange(k, device=mel.device)
-        tail = istft(torch.gather(spec, 2, idx.unsqueeze(1).expand(-1, bins, -1)), self.hop, self.stft_window)
-        keep = self.n_fft  # the tail call's last samples are far from its own left edge
-        ends = (frames - 1) * self.hop
-        pos = (ends.unsqueeze(1) - keep + torch.arange(keep, device=mel.device)).clamp(min=0)
-        speech = speech.scatter(1, pos, tail[:, -keep:])
-        speech = speech * mask(ends, speech.shape[1])[:, 0]
+        speech = recompute_tails(istft(spec, self.hop, self.stft_window), spec, frames, self.hop, self.stft_window)
+        speech = speech * mask((frames - 1) * self.hop, speech.shape[1])[:, 0]
         return torch.clamp(speech, -self.dims.audio_limit, self.dims.audio_limit)
 
     def padded_inputs(self, mel: Tensor, lengths: Sequence[int], noise: Sequence[NSFNoise | None],
@@ -489,12 +506,7 @@ class HiFT(HiFTStages):
         if S:
             head = (torch.arange(S, device=mel.device) < cache_lens.unsqueeze(1)).unsqueeze(1)
             source = torch.cat([torch.where(head, cache, source[:, :, :S]), source[:, :, S:]], dim=2)
-        # the reflection of center=True: sample end + k is sample end - 2 - k
-        ends = (lengths * self.upsample_scale).view(-1, 1, 1)
-        at = torch.arange(source.shape[2], device=mel.device).view(1, 1, -1)
-        reflected = (at >= ends) & (at < ends + self.n_fft // 2)
-        index = torch.where(reflected, 2 * ends - 2 - at, at).clamp(0, source.shape[2] - 1)
-        source = source.gather(2, index.expand(B, 1, -1))
+        source = reflect_after_ends(source, lengths * self.upsample_scale, self.n_fft // 2)
         return self.decode_padded(mel, source, lengths), source
 
     @torch.no_grad()

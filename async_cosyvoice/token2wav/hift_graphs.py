@@ -15,6 +15,12 @@ buckets of at most `max_bucket_frames` (items x frames); larger calls run eagerl
 zero-length items (all masked). Graphs are captured on a bucket's first use (`warmup` captures
 chosen ones ahead) and share one memory pool (graph_buckets.py, as the flow's). Off CUDA (`cuda_graphs=False`) the same padded call
 runs without a graph, which the tests use to check that bucket padding changes nothing.
+
+CosyVoice3's CausalHiFT takes the same buckets (`render_causal`): each stream re-vocodes all its
+mel so far, final or not, and `CausalHiFT.render_padded` (a final call per item: what a non-final
+item emits is the same) is what runs in the bucket's graph, its inputs the masked mel, the lengths
+and the vocoder's fixed NSF draws (one row for every item: each starts at the buffer's sample 0).
+It has no source cache (cache_samples=0).
 """
 from __future__ import annotations
 
@@ -35,10 +41,13 @@ class HiFTGraphs(GraphBuckets):
     buckets, eagerly."""
     what, unit = "HiFT", "frames"
 
-    def __init__(self, hift: HiFT, *, cache_samples: int, cuda_graphs: bool | None = None,
+    def __init__(self, hift: HiFT | CausalHiFT, *, cache_samples: int, cuda_graphs: bool | None = None,
                  stream_buckets: Sequence[int] = DEFAULT_STREAM_BUCKETS, min_frame_step: int = 16,
                  max_bucket_frames: int = 8192, max_graphs: int = 128):
-        """cache_samples: the longest cache_source a graph takes (the streams' source cache)."""
+        """cache_samples: the longest cache_source a graph takes (the streams' source cache; 0 for
+        CausalHiFT, which takes none)."""
+        if isinstance(hift, CausalHiFT) and cache_samples:
+            raise ValueError("CausalHiFT takes no cache_source: cache_samples must be 0")
         # a bucket holds the longest cache: at least that many frames
         super().__init__(next(hift.parameters()).device, cuda_graphs=cuda_graphs, batch_buckets=stream_buckets,
                          min_step=min_frame_step, max_bucket_size=max_bucket_frames, max_graphs=max_graphs,
@@ -51,6 +60,8 @@ class HiFTGraphs(GraphBuckets):
                  cache_source: Sequence[Tensor | None] | None = None) -> tuple[Tensor, list[Tensor]]:
         """HiFT.inference_padded of right-padded items: speech (B, 480T') with T' >= max(lengths),
         and each item's source (1, 1, 480·lengths[b])."""
+        if isinstance(self.hift, CausalHiFT):
+            raise TypeError("a CausalHiFT's graphs run through render_causal")
         B = mel.shape[0]
         caches = list(cache_source) if cache_source is not None else [None] * B
         bucket = self.bucket(B, max(lengths))
@@ -61,6 +72,18 @@ class HiFTGraphs(GraphBuckets):
         # clones: the next replay (of any graph in the pool) overwrites the outputs
         scale = self.hift.upsample_scale
         return speech[:B].clone(), [source[b:b + 1, :, :scale * n].clone() for b, n in enumerate(lengths)]
+
+    @torch.inference_mode()
+    def render_causal(self, mel: Tensor, lengths: Sequence[int]) -> Tensor:
+        """CausalHiFT.render_padded of right-padded items (CausalHiFT.render's padded_call): speech
+        (B, 480T') with T' >= max(lengths), in the bucket's graph or, past the buckets, eagerly."""
+        B, T = mel.shape[0], max(lengths)
+        inputs = self.hift.padded_inputs(mel[:, :, :T], lengths)
+        bucket = self.bucket(B, T)
+        if bucket is None:
+            self.fallbacks += 1
+            return self.hift.render_padded(**inputs)
+        return self._run(bucket, inputs)[:B].clone()  # the next replay overwrites the output
 
     # -- GraphBuckets
 
@@ -75,11 +98,17 @@ class HiFTGraphs(GraphBuckets):
             return Bb, self.hift.upsample_scale * Tb, example.shape[2]
         if name == "cache":
             return Bb, 1, self.cache_samples
+        if name == "fixed_noise":  # CausalHiFT's: one row for every item
+            return 1, self.hift.upsample_scale * Tb, example.shape[2]
+        if name == "fixed_phases":
+            return tuple(example.shape)
         return (Bb,) + tuple(example.shape[1:])
 
     def _example(self, bucket: Bucket) -> dict[str, Tensor]:
         Bb, Tb = bucket
         mel = torch.zeros(Bb, self.hift.dims.in_channels, Tb, device=self.device)
+        if isinstance(self.hift, CausalHiFT):
+            return self.hift.padded_inputs(mel, [Tb] * Bb)
         return self.hift.padded_inputs(mel, [Tb] * Bb, [NSFNoise.zero()] * Bb)
 
 
@@ -93,11 +122,12 @@ def render_group(hift: HiFT | CausalHiFT, graphs: HiFTGraphs | None, mels: Seque
 
     CosyVoice3's CausalHiFT (its NSF noise is its own, it takes no cache_source) renders each item
     final or not (`finalize`, required for it; `CausalHiFT.render`: the whole group in one padded,
-    exact call); its source comes back empty."""
+    exact call, in a graph where `graphs` has a bucket for it); its source comes back empty."""
     if isinstance(hift, CausalHiFT):
         if finalize is None:
             raise ValueError("a CausalHiFT group needs each item's finalize flag")
-        return [(speech, speech.new_zeros(1, 1, 0)) for speech in hift.render(list(mels), list(finalize))]
+        padded_call = graphs.render_causal if graphs is not None else None
+        return [(speech, speech.new_zeros(1, 1, 0)) for speech in hift.render(list(mels), list(finalize), padded_call)]
     frames = [m.shape[2] for m in mels]
     out: list[HiFTOutput | None] = [None] * len(mels)
     short = [i for i, n in enumerate(frames) if n < 2]

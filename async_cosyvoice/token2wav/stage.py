@@ -33,10 +33,11 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
         log.info("token2wav flow_graphs / hift_graphs: CUDA graphs need a CUDA device; on %s they are off", device)
     flow_graphs = (FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens)
                    if t2w.flow_graphs and on_cuda else None)
-    cache_samples = ChunkSchedule(samples_per_frame=models.hift.upsample_scale).source_cache_len
-    # CosyVoice3's causal HiFT has no graphs yet: its groups run as one padded eager call (CausalHiFT.render)
+    # CosyVoice3's causal HiFT has no source cache
+    cache_samples = (0 if isinstance(models.hift, CausalHiFT) else
+                     ChunkSchedule(samples_per_frame=models.hift.upsample_scale).source_cache_len)
     hift_graphs = (HiFTGraphs(models.hift, cache_samples=cache_samples, max_bucket_frames=t2w.hift_graph_max_frames)
-                   if t2w.hift_graphs and on_cuda and not isinstance(models.hift, CausalHiFT) else None)
+                   if t2w.hift_graphs and on_cuda else None)
     slot_calls = None
     if t2w.flow_cache and t2w.flow_cache_slots is not None:
         speaker_slots = t2w.flow_cache_speaker_bytes // StatePool.slot_nbytes(models.flow, t2w.flow_cache_slot_tokens)

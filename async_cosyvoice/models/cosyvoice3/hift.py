@@ -16,18 +16,23 @@ frames are only the F0 predictor's right context and the 4 before them only conv
 last 480 samples (whose iSTFT frames are incomplete) are cut: T frames give 480·(T − 8) samples,
 each equal to the same sample of any longer call on the same mel prefix.
 
+`inference` is one call (upstream's); `render` batches many streams' calls of different lengths,
+final or not, as one right-padded call (`render_padded`, no host syncs: token2wav/hift_graphs.py
+runs it as a CUDA graph per (streams, frames) bucket).
+
 Parameter names are the `hift.pt` keys with weight norm folded (model_dir.normalize_hift_state_dict).
 """
 from __future__ import annotations
 
 import math
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..dims import HiFTDims
-from ..hift import HiFTStages, ResBlock, SourceModuleHnNSF, istft
+from ..hift import HiFTStages, ResBlock, SourceModuleHnNSF, istft, recompute_tails, reflect_after_ends
 from .nsf_noise import FixedNSFNoise
 
 F0_PREDICTOR_PREFIX = "f0_predictor."  # hift.pt keys whose weight norm is folded in float64
@@ -48,7 +53,8 @@ class CausalUpsample(nn.Conv1d):
         self.up = stride
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x.repeat_interleave(self.up, dim=2)
+        B, C, T = x.shape  # repeat_interleave by expand: no host sync inside a CUDA graph capture
+        x = x.unsqueeze(3).expand(B, C, T, self.up).reshape(B, C, T * self.up)
         return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
 
 
@@ -138,16 +144,21 @@ class CausalHiFT(HiFTStages):
         n = frames if finalize else frames - self.right_context_frames - 1
         return max(0, n) * self.upsample_scale
 
-    def source(self, f0: Tensor) -> Tensor:
-        """f0 (B, T) at the mel rate -> NSF source (B, 1, 480T) with the fixed draws."""
+    def fixed_draws(self, samples: int, device: torch.device) -> dict[str, Tensor]:
+        """The fixed NSF draws for `samples` samples, as `source` takes them: fixed_phases (1, dim)
+        and fixed_noise (1, samples, dim) (the noise buffer's prefix); none for the noise-free vocoder."""
+        noise = self.nsf_noise
+        if noise.is_zero:
+            return {}
+        return dict(fixed_phases=noise.rand_ini.to(device), fixed_noise=noise.sine_noise(samples, device))
+
+    def source(self, f0: Tensor, fixed_phases: Tensor | None = None, fixed_noise: Tensor | None = None) -> Tensor:
+        """f0 (B, T) at the mel rate + the fixed draws for at least 480T samples (`fixed_draws`;
+        none: no noise) -> NSF source (B, 1, 480T)."""
         f0_up = F.interpolate(f0[:, None], scale_factor=float(self.upsample_scale), mode="nearest").transpose(1, 2)
         B, L, _ = f0_up.shape
-        noise = self.nsf_noise
-        if noise.is_zero:  # initial phases zero, no additive noise
-            rand_ini = sine_noise = None
-        else:
-            rand_ini = noise.rand_ini.to(f0.device).expand(B, -1)
-            sine_noise = noise.sine_noise(L, f0.device).expand(B, -1, -1)
+        rand_ini = None if fixed_phases is None else fixed_phases.expand(B, -1)
+        sine_noise = None if fixed_noise is None else fixed_noise[:, :L].expand(B, -1, -1)
         return self.m_source.with_draws(f0_up, rand_ini, sine_noise).transpose(1, 2)
 
     def decode(self, mel: Tensor, source: Tensor, finalize: bool) -> Tensor:
@@ -175,22 +186,53 @@ class CausalHiFT(HiFTStages):
         f0 = self.f0_predictor(mel, finalize)
         if trace is not None:
             trace["f0"] = f0
-        source = self.source(f0.to(mel.dtype))
+        source = self.source(f0.to(mel.dtype), **self.fixed_draws(self.upsample_scale * f0.shape[1], mel.device))
         speech = self.decode(mel if finalize else mel[:, :, :f0.shape[1]], source, finalize)
         return speech, source
 
+    def padded_inputs(self, mel: Tensor, lengths: Sequence[int]) -> dict[str, Tensor]:
+        """`render_padded`'s inputs for right-padded items: mel (B, 80, T), lengths[b] valid frames,
+        and the fixed NSF draws for 480T samples (every item starts at sample 0 of the buffer)."""
+        B, _, T = mel.shape
+        if len(lengths) != B:
+            raise ValueError(f"got {len(lengths)} lengths for a batch of {B}")
+        if min(lengths) < 1 or max(lengths) > T:
+            raise ValueError(f"item lengths must be within [1, {T}] frames, got {list(lengths)}")
+        return dict(mel=mel, lengths=torch.tensor(list(lengths), device=mel.device),
+                    **self.fixed_draws(self.upsample_scale * T, mel.device))
+
+    def render_padded(self, mel: Tensor, lengths: Tensor, fixed_phases: Tensor | None = None,
+                      fixed_noise: Tensor | None = None) -> Tensor:
+        """Right-padded items in one final call, from `padded_inputs`; no host syncs, so a CUDA
+        graph can capture it (token2wav/hift_graphs.py). Returns speech (B, 480T), clamped: item b's
+        first 480·lengths[b] samples those of its own final `inference` call up to float summation
+        order, and the first emitted_samples(lengths[b], False) those of its own non-final call.
+
+        Exact because every op is causal but the look-ahead convs, and those read zeros past each
+        item (its mel is masked to its length: its own final call's look-ahead; a non-final call
+        emits nothing they reach). Two ends are fixed up: the source STFT sees the item's own
+        reflection after its end (center=True), and the last iSTFT samples, whose overlap would take
+        in padded frames, are recomputed from the item's last frames alone (a non-final call emits
+        nothing within reach of either)."""
+        T = mel.shape[2]
+        mel = mel * (torch.arange(T, device=mel.device) < lengths.unsqueeze(1)).unsqueeze(1).to(mel.dtype)
+        source = self.source(self.f0_predictor(mel, finalize=True).to(mel.dtype), fixed_phases, fixed_noise)
+        source = reflect_after_ends(source, lengths * self.upsample_scale, self.n_fft // 2)
+        x = self.conv_pre(F.pad(mel, (0, self.dims.conv_pre_look_right)))
+        spec = self.spectrum(self.upsample_stages(x, self.source_stft(source)))
+        frames = lengths * (self.upsample_scale // self.hop) + 1  # STFT frames of each item's own call
+        speech = recompute_tails(istft(spec, self.hop, self.stft_window), spec, frames, self.hop, self.stft_window)
+        return torch.clamp(speech, -self.dims.audio_limit, self.dims.audio_limit)
+
     @torch.no_grad()
-    def render(self, mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
+    def render(self, mels: list[Tensor], finalize: list[bool],
+               padded_call: Callable[[Tensor, list[int]], Tensor] | None = None) -> list[Tensor]:
         """Many streams' calls in one right-padded call: mels[b] (1, 80, T_b), final or not ->
         speech (1, emitted_samples(T_b, finalize[b])), each its own `inference` call's up to float
         summation order; items too short to emit anything get (1, 0).
 
-        Exact because every op is causal but the look-ahead convs, and those read zeros past a final
-        item (its padding is zeros, as its own call's look-ahead) and only the item's own frames for
-        what a non-final item emits. Two ends are fixed up for final items: the source STFT sees the
-        item's own reflection after its end (center=True), and its last iSTFT samples, whose overlap
-        would take in padded frames, are recomputed from its last frames alone. A non-final item
-        emits nothing within reach of either."""
+        padded_call(mel, lengths) -> speech (B, >= 480·max(lengths)): `render_padded` of
+        `padded_inputs` (the default), or the same call in a CUDA graph (HiFTGraphs.render_causal)."""
         if len(mels) != len(finalize):
             raise ValueError(f"got {len(mels)} mels and {len(finalize)} finalize flags")
         out: list[Tensor | None] = [None] * len(mels)
@@ -203,21 +245,10 @@ class CausalHiFT(HiFTStages):
         mel = mels[live[0]].new_zeros(len(live), mels[live[0]].shape[1], max(lengths))
         for row, b in enumerate(live):
             mel[row, :, :lengths[row]] = mels[b][0]
-        source = self.source(self.f0_predictor(mel, finalize=True).to(mel.dtype))
-        ends = [self.upsample_scale * n for n in lengths]
-        reflect = self.n_fft // 2
-        for row, end in enumerate(ends):  # center=True's reflection of the item's own call
-            if end < source.shape[2]:
-                source[row, 0, end:end + reflect] = source[row, 0, end - reflect - 1:end - 1].flip(0)
-        x = self.conv_pre(F.pad(mel, (0, self.dims.conv_pre_look_right)))
-        spec = self.spectrum(self.upsample_stages(x, self.source_stft(source)))
-        speech = istft(spec, self.hop, self.stft_window)
-        tail_frames, tail = self.n_fft // self.hop + 4, self.n_fft
-        for row, (b, end) in enumerate(zip(live, ends)):
-            if finalize[b] and end < speech.shape[1]:
-                last = end // self.hop  # the item's last STFT frame
-                alone = istft(spec[row:row + 1, :, last + 1 - tail_frames:last + 1], self.hop, self.stft_window)
-                speech[row, end - tail:end] = alone[0, -tail:]
-            n = self.emitted_samples(lengths[row], finalize[b])
-            out[b] = torch.clamp(speech[row:row + 1, :n], -self.dims.audio_limit, self.dims.audio_limit)
+        if padded_call is None:
+            speech = self.render_padded(**self.padded_inputs(mel, lengths))
+        else:
+            speech = padded_call(mel, lengths)
+        for row, b in enumerate(live):
+            out[b] = speech[row:row + 1, :self.emitted_samples(lengths[row], finalize[b])]
         return out
