@@ -4,6 +4,7 @@
     python benchmarks/h200_server_bench.py                                   # the H200 run (cuda)
     python benchmarks/h200_server_bench.py --baseline-tree /tmp/before       # + LLM ms/step before/after
     python benchmarks/h200_server_bench.py --quick                           # CPU smoke test, tiny model
+    python benchmarks/h200_server_bench.py --preset cosyvoice3-0.5b --skip llm,restart   # CosyVoice3
 
 Needs our package importable (PYTHONPATH=. from the repo root) and its runtime dependencies;
 matplotlib is optional (without it the plots are skipped).
@@ -13,7 +14,11 @@ Steps (each timed; the results say how long):
    --full-size` in this tree and, with `--baseline-tree DIR`, in that one (e.g. the code before a
    change), same machine, same call: ms per decode step at each batch size, graphs only (and
    with torch.compile when `--llm-compile`);
-2. `make_random_model(preset)` (full-size CosyVoice2-0.5B by default) into /tmp;
+   The LM timed is CosyVoice2-0.5B's (CosyVoice3's is the same Qwen2 backbone, a larger speech
+   vocabulary); skip it (`--skip llm`) for a CosyVoice3 run;
+2. `make_random_model(preset)` (full-size CosyVoice2-0.5B by default; `--preset cosyvoice3-0.5b`:
+   CosyVoice3; `--quick` takes the preset's tiny twin, QUICK_PRESETS) into /tmp; the model kind
+   is read from the directory (results meta.model_kind, the title);
 3. the server: `python -m cosyvoice_cli serve --config C` in a child process, C being
    `--config` (default configs/gpu.yaml) with the model directory, a scratch speaker store and
    free local ports filled in, and (unless --keep-compile-cache) an empty torch.compile cache
@@ -67,6 +72,7 @@ import yaml
 from cosyvoice_cli import bench
 from grpc_async.client import CosyVoiceClient
 from async_cosyvoice.config import Config
+from async_cosyvoice.model_dir import model_kind
 from async_cosyvoice.tools.make_random_model import make_random_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +82,7 @@ FULL = dict(levels=[1, 4, 16, 32, 64], requests={1: 4, 4: 8, 16: 32, 32: 64, 64:
 QUICK = dict(levels=[1, 2], requests={1: 2, 2: 2}, tokens=20, prompt_seconds=1.0, start_rate=1.0, duration_s=2.0,
              max_rate=2.0, refine=0, max_level_seconds=10.0, llm_batches=[], ready_timeout_s=300.0,
              restart_s=0.0)
+QUICK_PRESETS = {"cosyvoice2-0.5b": "tiny", "cosyvoice3-0.5b": "cosyvoice3-tiny"}
 # phases that must still fit after a phase starts (seconds), so the headline numbers come first
 RESERVE = {"llm": 330.0, "server": 200.0, "sweep": 90.0, "capacity": 10.0}
 
@@ -103,8 +110,8 @@ def add_server_arguments(ap: argparse.ArgumentParser, out_default: str, budget_s
 def make_plan(args, full: dict, quick: dict) -> dict:
     """`full` or (--quick) `quick`, with the workload options given on the command line."""
     plan = dict(quick if args.quick else full)
-    if args.quick and args.preset == "cosyvoice2-0.5b":
-        args.preset = "tiny"
+    if args.quick:  # the full-size presets' tiny twins
+        args.preset = QUICK_PRESETS.get(args.preset, args.preset)
     for key, value in (("tokens", args.tokens), ("start_rate", args.start_rate), ("duration_s", args.duration),
                        ("max_level_seconds", args.max_level_seconds)):
         if value is not None:
@@ -521,7 +528,10 @@ def main(argv=None) -> int:
     t = time.monotonic()
     model_dir = bench_model_dir(args)
     phases["model_s"] = time.monotonic() - t
-    log(f"model {model_dir} ready in {phases['model_s']:.1f} s")
+    kind = model_kind(model_dir)
+    results["meta"].update(model_kind=kind, preset=None if args.model_dir else args.preset)
+    results["title"] = results["title"].replace("async_cosyvoice", f"async_cosyvoice ({kind})", 1)
+    log(f"model {model_dir} ({kind}) ready in {phases['model_s']:.1f} s")
 
     with tempfile.TemporaryDirectory(prefix="server-bench-") as scratch:
         config = server_config(args, model_dir, Path(scratch) / "spk")

@@ -379,6 +379,21 @@ def test_h200_server_script_quick_on_cpu(tmp_path):
     assert {"server-latency.png", "server-first_chunk_hist.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
+@pytest.mark.slow
+def test_h200_server_script_quick_on_cpu_cosyvoice3(tmp_path):
+    """--preset cosyvoice3-0.5b --quick runs CosyVoice3's tiny twin through a real server: the speaker
+    registered from a prompt, forced tokens (no stop id among CosyVoice3's >= 6562) to their count."""
+    script = _load_script("h200_server_bench")
+    assert script.main(["--quick", "--preset", "cosyvoice3-0.5b", "--skip", "capacity,restart",
+                        "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "server_results.json").read_text())
+    assert r["meta"]["model_kind"] == "cosyvoice3" and r["meta"]["preset"] == "cosyvoice3-tiny"
+    assert r["title"].startswith("async_cosyvoice (cosyvoice3)") and r["meta"]["prompt_seconds"] > 0
+    assert r["first_request"]["errors"] == 0 and r["skipped"] == ["capacity", "restart"]
+    for lv in r["levels"]:
+        assert lv["errors"] == 0 and lv["audio_s"] == pytest.approx(lv["requests"] * 20 * bench.SECONDS_PER_TOKEN)
+
+
 @pytest.fixture
 def multi_gpu(monkeypatch):
     """benchmarks/multi_gpu_server_bench.py; the NVLink-multicast variables it sets are undone afterwards."""
