@@ -30,7 +30,9 @@ Steps (each timed; the results say how long):
    request after SERVING (cold) is timed on its own, with the server's split of its first chunk
    (until its tokens / waiting for a token2wav batch / the batch);
 5. warm-up: one untimed round of short requests at each closed-loop level (the speaker registered
-   while serving was warmed at 1-8 streams only; step 4 measured the cold path);
+   while serving was warmed at 1-8 streams only; step 4 measured the cold path); for CosyVoice3
+   the requests are the workload's full length (plan warmup_tokens None), since its vocoder
+   re-vocodes the whole mel so far: its HiFT graph buckets grow with the utterance;
 6. the closed-loop sweep 1, 4, 16, 32, 64 streams of 250 forced tokens (10 s of audio),
    requests per level 4, 8, 32, 64, 128, each level stopped after --max-level-seconds;
 7. the open-loop capacity search: Poisson arrivals of the same 10-s requests, doubling the rate
@@ -357,7 +359,8 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
         results["first_request"] = cold
 
         async def warm():
-            phases["warmup_s"] = await bench.warm_up(target, workload, plan["levels"], progress)
+            phases["warmup_s"] = await bench.warm_up(target, workload, plan["levels"], progress,
+                                                     max_tokens=plan.get("warmup_tokens", 60))
 
         async def sweep():
             results["levels"] = []
@@ -530,6 +533,9 @@ def main(argv=None) -> int:
     phases["model_s"] = time.monotonic() - t
     kind = model_kind(model_dir)
     results["meta"].update(model_kind=kind, preset=None if args.model_dir else args.preset)
+    if kind == "cosyvoice3":  # its vocoder's lengths grow with the utterance: warm its graphs at full length
+        plan["warmup_tokens"] = None
+        results["meta"]["plan"] = plan_json(plan)
     results["title"] = results["title"].replace("async_cosyvoice", f"async_cosyvoice ({kind})", 1)
     log(f"model {model_dir} ({kind}) ready in {phases['model_s']:.1f} s")
 

@@ -389,6 +389,7 @@ def test_h200_server_script_quick_on_cpu_cosyvoice3(tmp_path):
     r = json.loads((tmp_path / "server_results.json").read_text())
     assert r["meta"]["model_kind"] == "cosyvoice3" and r["meta"]["preset"] == "cosyvoice3-tiny"
     assert r["title"].startswith("async_cosyvoice (cosyvoice3)") and r["meta"]["prompt_seconds"] > 0
+    assert r["meta"]["plan"]["warmup_tokens"] is None  # its warm-up runs the workload's full length
     assert r["first_request"]["errors"] == 0 and r["skipped"] == ["capacity", "restart"]
     for lv in r["levels"]:
         assert lv["errors"] == 0 and lv["audio_s"] == pytest.approx(lv["requests"] * 20 * bench.SECONDS_PER_TOKEN)

@@ -83,12 +83,14 @@ def _level_brief(level: dict) -> str:
         f"  underruns {ur['late_chunks']} ({ur['requests_with_underruns']} req)"
 
 
-async def warm_up(target: Target, workload: Workload, levels: Sequence[int], progress: Progress | None = None) -> float:
-    """One untimed round of short requests at each of `levels` concurrent streams, so the batch
-    shapes the sweep meets have run once: a server captures a CUDA graph on a shape's first use,
-    and a speaker registered while serving is warmed at a few stream counts only. Returns the wall
-    time."""
-    short = dataclasses.replace(workload, tokens=min(workload.tokens, 60) if workload.tokens else None)
+async def warm_up(target: Target, workload: Workload, levels: Sequence[int], progress: Progress | None = None,
+                  max_tokens: int | None = 60) -> float:
+    """One untimed round of short requests (at most `max_tokens` forced tokens; None: the
+    workload's) at each of `levels` concurrent streams, so the batch shapes the sweep meets have
+    run once: a server captures a CUDA graph on a shape's first use, and a speaker registered while
+    serving is warmed at a few stream counts only. Returns the wall time."""
+    tokens = workload.tokens if max_tokens is None or not workload.tokens else min(workload.tokens, max_tokens)
+    short = dataclasses.replace(workload, tokens=tokens)
     t = time.monotonic()
     for concurrency in sorted(set(levels)):
         await run_level(target, short, concurrency, concurrency, progress=progress, label=f"warm-up x{concurrency}",
