@@ -150,7 +150,7 @@ class CausalHiFT(HiFTStages):
         noise = self.nsf_noise
         if noise.is_zero:
             return {}
-        return dict(fixed_phases=noise.rand_ini.to(device), fixed_noise=noise.sine_noise(samples, device))
+        return dict(fixed_phases=noise.phases(device), fixed_noise=noise.sine_noise(samples, device))
 
     def source(self, f0: Tensor, fixed_phases: Tensor | None = None, fixed_noise: Tensor | None = None) -> Tensor:
         """f0 (B, T) at the mel rate + the fixed draws for at least 480T samples (`fixed_draws`;

@@ -40,6 +40,7 @@ class FixedNSFNoise:
         self.max_samples = max_samples
         self._noise = torch.empty(1, 0, dim)
         self._on_device: dict[torch.device, Tensor] = {}
+        self._phases_on: dict[torch.device, Tensor] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -72,6 +73,16 @@ class FixedNSFNoise:
             nn.Linear(hift.f0_cond_channels, hift.f0_num_class)
             state = torch.get_rng_state()
         return cls.from_generator_state(state, hift.nb_harmonics + 1)
+
+    def phases(self, device: torch.device | str) -> Tensor | None:
+        """rand_ini (1, dim) on `device`, copied there once (None for zeros). Do not modify it."""
+        if self.is_zero:
+            return None
+        device = torch.device(device)
+        with self._lock:
+            if device not in self._phases_on:
+                self._phases_on[device] = self.rand_ini.to(device)
+            return self._phases_on[device]
 
     def sine_noise(self, length: int, device: torch.device | str) -> Tensor | None:
         """(1, length, dim) float32 on `device`: the buffer's first `length` rows (None for zeros).
