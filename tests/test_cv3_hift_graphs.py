@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from async_cosyvoice.config import Config
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.cosyvoice3.hift import CausalHiFT
 from async_cosyvoice.models.cosyvoice3.nsf_noise import FixedNSFNoise
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from async_cosyvoice.token2wav.hift_graphs import HiFTGraphs, render_group
+from async_cosyvoice.token2wav.stage import token2wav_batcher
 
 from cv3_fixture import cv3_dir
 
@@ -128,9 +130,19 @@ def test_streams_render_the_same_through_the_graph_buckets(models):
         assert max((a - b).abs().max().item() for a, b in zip(mine, alone)) <= 1e-5
 
 
+def test_the_stage_leaves_graphs_off_on_cpu(d, models):
+    config = Config.model_validate({"model": {"dir": str(d)}, "token2wav": {"hift_graphs": True}})
+    assert token2wav_batcher(config, models, load_model_dir(d)).runner.hift_graphs is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_causal_graphs_match_the_eager_call(d):
-    hift = build_models(load_model_dir(d), device="cuda").hift
+    model_dir = load_model_dir(d)
+    models = build_models(model_dir, device="cuda", with_llm=False)
+    hift = models.hift
+    config = Config.model_validate({"model": {"dir": str(d)}, "token2wav": {"hift_graphs": True}})
+    staged = token2wav_batcher(config, models, model_dir).runner.hift_graphs  # the server's stage builds them
+    assert isinstance(staged, HiFTGraphs) and staged.hift is hift and staged.cache_samples == 0
     graphs = HiFTGraphs(hift, cache_samples=0)
     assert graphs.warmup([1, 4], [40, 128]) == 4
     gen = torch.Generator().manual_seed(7)
