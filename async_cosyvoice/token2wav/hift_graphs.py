@@ -37,8 +37,9 @@ HiFTOutput = tuple[Tensor, Tensor]  # speech (1, 480T), source (1, 1, 480T) of o
 
 
 class HiFTGraphs(GraphBuckets):
-    """`HiFT.inference_padded`'s signature: runs a call in its bucket's graph, or, past the
-    buckets, eagerly."""
+    """Runs a vocoder's padded call in its bucket's graph, or, past the buckets, eagerly:
+    CosyVoice2's HiFT through `__call__` (`HiFT.inference_padded`'s signature), CosyVoice3's
+    CausalHiFT through `render_causal` (`CausalHiFT.render`'s padded_call)."""
     what, unit = "HiFT", "frames"
 
     def __init__(self, hift: HiFT | CausalHiFT, *, cache_samples: int, cuda_graphs: bool | None = None,
@@ -77,6 +78,8 @@ class HiFTGraphs(GraphBuckets):
     def render_causal(self, mel: Tensor, lengths: Sequence[int]) -> Tensor:
         """CausalHiFT.render_padded of right-padded items (CausalHiFT.render's padded_call): speech
         (B, 480T') with T' >= max(lengths), in the bucket's graph or, past the buckets, eagerly."""
+        if not isinstance(self.hift, CausalHiFT):
+            raise TypeError("render_causal runs CosyVoice3's CausalHiFT; HiFT's graphs run through __call__")
         B, T = mel.shape[0], max(lengths)
         inputs = self.hift.padded_inputs(mel[:, :, :T], lengths)
         bucket = self.bucket(B, T)
