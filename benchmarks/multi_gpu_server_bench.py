@@ -42,7 +42,7 @@ Per setup (benchmarks/h200_server_bench.py's server code): the server in a child
 the closed loop: 1 stream (8 sequential requests: the first chunk p50 of one stream) and 32 x GPUs
 streams (2 requests per stream at most, sending stopped after --max-level-seconds), then the
 open-loop capacity search: Poisson arrivals of the same 250-token (10 s of audio) requests,
---duration seconds each trial, from --rate-per-gpu x GPUs (default 1 req/s per GPU, about an
+--duration (default 8) seconds each trial, from --rate-per-gpu x GPUs (default 1 req/s per GPU, about an
 H200's), doubling while it passes (halving while it fails), then bisecting geometrically until the
 smallest failing rate is within 25 % of the largest passing one, at most 5 trials: the capacity
 is the largest rate with p99 first chunk <= 300 ms and >= 99 % of requests free of underruns (the
@@ -102,7 +102,7 @@ PLACEMENTS = ("one", "workers", "disaggregated", "replicas")
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SETUP_BUDGET_S = 540.0  # all rounds in one 10-minute machine call
 STREAMS_PER_GPU = 32  # the closed-loop level: 32 streams per GPU of the setup
-FULL = {**server_bench.FULL, "levels": None, "requests": None, "duration_s": 10.0, "max_rate": 64.0, "refine": 4,
+FULL = {**server_bench.FULL, "levels": None, "requests": None, "duration_s": 8.0, "max_rate": 64.0, "refine": 4,
         "within": 1.25, "max_trials": 5, "max_level_seconds": 12.0, "llm_batches": [], "ready_timeout_s": 450.0,
         "restart_s": 0.0}
 QUICK = {**server_bench.QUICK, "max_rate": 4.0, "refine": 2, "within": 1.25, "max_trials": 3, "restart_s": 0.0}
