@@ -318,13 +318,14 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
                          seed: int = 0, skip: frozenset = frozenset(), reserve: dict = RESERVE) -> None:
     """One started server: wait for SERVING, register the speaker, the first request, then the phases
     warmup, sweep (plan["levels"]) and capacity, each skipped when in `skip` or when less than
-    reserve[phase] seconds would be left before `deadline` (monotonic) once it starts."""
+    reserve[phase] seconds would be left before `deadline` (monotonic) once it starts (a level C of
+    the sweep: reserve["sweep C"] if given, else reserve["sweep"])."""
     progress = bench.Progress()
     skipped = results.setdefault("skipped", [])
     errors = results.setdefault("phase_errors", {})
 
-    def time_left(phase: str) -> float:
-        return deadline - time.monotonic() - reserve.get(phase, 0.0)
+    def time_left(phase: str) -> float:  # "sweep 64" falls back to "sweep"'s reserve
+        return deadline - time.monotonic() - reserve.get(phase, reserve.get(phase.split()[0], 0.0))
 
     async def run_phase(name: str, coro_fn) -> None:
         if name in skip:
@@ -366,7 +367,7 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
             results["levels"] = []
             counts = bench.requests_per_level(plan["levels"], plan["requests"])
             for c in plan["levels"]:
-                budget = time_left("sweep")
+                budget = time_left(f"sweep {c}")
                 if budget <= 1.0:
                     skipped.append(f"sweep level {c}")
                     continue
@@ -377,7 +378,8 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
         async def capacity():
             results["capacity"] = await bench.capacity_search(
                 target, workload, start_rate=plan["start_rate"], duration_s=plan["duration_s"],
-                max_rate=plan["max_rate"], refine=plan["refine"], progress=progress, stages=stages, detail=True,
+                max_rate=plan["max_rate"], refine=plan["refine"], within=plan.get("within"),
+                max_trials=plan.get("max_trials", 12), progress=progress, stages=stages, detail=True,
                 drain_timeout_s=max(30.0, 4 * plan["tokens"] * bench.SECONDS_PER_TOKEN),
                 stop_at=deadline - 5.0 - (0.0 if "restart" in skip else plan["restart_s"]))
 

@@ -300,6 +300,7 @@ def test_open_loop_and_capacity_over_grpc(server, tmp_path, capsys):
     cap = asyncio.run(search())
     assert [t["rate"] for t in cap["trials"]] == [1.0, 2.0] and cap["capacity_rate"] == 2.0
     assert cap["first_failing_rate"] is None and cap["streams_in_flight"] == cap["trials"][1]["in_flight"]
+    assert cap["bracket"] == [2.0, None] and cap["converged"] is False  # capacity >= the ceiling: no bracket
     for t in cap["trials"]:
         assert t["capacity_check"] == {"passed": True, "reasons": []}
         _check_open_level(t, t["rate"], 2.0, seed=5)
@@ -331,6 +332,7 @@ def _load_script(name: str):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     script = importlib.util.module_from_spec(spec)
+    sys.modules[name] = script  # a dataclass looks its module up while the module executes
     spec.loader.exec_module(script)
     return script
 
@@ -409,7 +411,7 @@ def multi_gpu(monkeypatch):
 def test_multi_gpu_server_script_quick_on_cpu(multi_gpu, tmp_path):
     """Every placement through a real server child process, in one invocation: one device, then two
     CPU devices as worker processes, as LLM + token2wav process and as in-process replicas."""
-    assert multi_gpu.main(["--quick", "--setups", "one,workers:2,disaggregated:2,replicas:2", "--skip", "capacity",
+    assert multi_gpu.main(["--quick", "--setups", "one,workers:2,disaggregated:2,replicas:2", "--skip", "warmup,capacity",
                            "--out", str(tmp_path)]) == 0
     table = (tmp_path / "multi_gpu_table.txt").read_text()
     setups = (("one", [], "workers", False), ("workers-2", ["cpu", "cpu"], "workers", False),
@@ -421,7 +423,7 @@ def test_multi_gpu_server_script_quick_on_cpu(multi_gpu, tmp_path):
         assert (config["model"]["devices"], config["model"]["placement"]) == (devices, placement)
         assert config["token2wav"]["process"] is t2w_process
         assert config["limits"]["max_concurrent_streams"] == 256
-        assert r["meta"]["multicast_env"] == multi_gpu.NVLS_OFF and r["skipped"] == ["capacity"]
+        assert r["meta"]["multicast_env"] == multi_gpu.NVLS_OFF and r["skipped"] == ["warmup", "capacity"]
         assert r["meta"]["phases"]["server_start_s"] > 0 and r["meta"]["server_returncode"] is not None
         assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
         for lv in r["levels"]:
@@ -435,11 +437,65 @@ def test_multi_gpu_server_script_quick_on_cpu(multi_gpu, tmp_path):
     assert len(list(tmp_path.iterdir())) == 8
 
 
+@pytest.mark.slow
+def test_multi_gpu_server_script_rounds_on_cpu(multi_gpu, tmp_path):
+    """--quick's default: a round of two one-device servers AT THE SAME TIME (their own processes,
+    ports and clients), then 2 worker processes; every setup with a bounded capacity search."""
+    assert multi_gpu.main(["--quick", "--out", str(tmp_path)]) in (0, 1)
+    runs = {n: json.loads((tmp_path / f"setup-{n}.json").read_text()) for n in ("one", "one-at1", "workers-2")}
+    ports = []
+    for name, r in runs.items():
+        meta, config = r["meta"], r["meta"]["config"]
+        assert not r.get("phase_errors"), r.get("phase_errors")
+        assert meta["round"] == (2 if name == "workers-2" else 1)
+        assert meta["concurrent_with"] == {"one": ["one-at1"], "one-at1": ["one"], "workers-2": []}[name]
+        assert (config["server"]["port"], config["server"]["metrics_port"]) == (meta["ports"]["grpc"],
+                                                                              meta["ports"]["metrics"])
+        assert config["server"]["http_port"] is None
+        ports += meta["ports"].values()
+        assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and all(lv["errors"] == 0 for lv in r["levels"])
+        cap = r["capacity"]
+        assert isinstance(cap["converged"], bool) and 1 <= len(cap["trials"]) <= 3 and cap["within"] == 1.25
+        best, worst = cap["bracket"]
+        assert (best, worst) == (cap["capacity_rate"], cap["first_failing_rate"])
+        assert cap["converged"] == (best is not None and worst is not None and worst <= 1.25 * best)
+        assert cap["trials"][0]["rate"] <= 1.0 * meta["gpus"]  # starts from --rate-per-gpu x GPUs (or below)
+    assert len(set(ports)) == len(ports) == 6
+    assert runs["one-at1"]["meta"]["spec"] == "one:1@1-1" and runs["workers-2"]["meta"]["config"]["model"]["devices"] \
+        == ["cpu", "cpu"]
+    combined = json.loads((tmp_path / "multi_gpu_results.json").read_text())
+    rows = {r["setup"]: r for r in combined["setups"]}
+    assert set(rows) == {"one", "one-at1", "workers-2"}
+    assert rows["one"]["round"] == 1 and rows["workers-2"]["concurrent_with"] == []
+    assert all(isinstance(r["capacity_converged"], bool) for r in rows.values())
+    assert rows["one"]["first_chunk_1_stream_vs_one"] == pytest.approx(1.0)
+    assert any(n.startswith("round 1: one (cpu) and one-at1 (cpu) ran at the same time") for n in combined["notes"])
+    assert len(list(tmp_path.iterdir())) == 7  # 3 setups + results, 2 tables, the plot: <= 8 files come back
+
+
 def test_multi_gpu_setups_parse():
     script = _load_script("multi_gpu_server_bench")
-    assert script.parse_setup("workers:4", 8) == ("workers", 4) and script.parse_setup("one", 8) == ("one", 1)
-    assert script.parse_setup("disaggregated", 2) == ("disaggregated", 2)
-    assert script.default_setups(4) == "one,workers:2,workers:4,disaggregated:4"
+    Setup = script.Setup
+    assert script.parse_setup("workers:4", 8) == Setup("workers", 4) and script.parse_setup("one", 8) == Setup("one", 1)
+    assert script.parse_setup("disaggregated", 2) == Setup("disaggregated", 2)
+    assert script.parse_setup("workers:2@1-2", 4) == Setup("workers", 2, 1)
+    assert script.default_setups(4) == "one+workers:2,workers:4" and script.default_setups(2) == "one,workers:2"
+    assert script.parse_rounds("one+workers:2,workers:4", 4) == [[Setup("one", 1, 0), Setup("workers", 2, 1)],
+                                                                 [Setup("workers", 4, 0)]]
+    (rnd,) = script.parse_rounds("workers:2+one@0", 4)  # explicit devices first, the rest packed after
+    assert rnd == [Setup("workers", 2, 1), Setup("one", 1, 0)] and [s.name for s in rnd] == ["workers-2-at1", "one"]
+    assert rnd[0].spec == "workers:2@1-2" and script.parse_setup(rnd[0].spec, 4) == rnd[0]
+    with pytest.raises(ValueError, match="share devices"):
+        script.parse_rounds("one@1+workers:2@1-2", 4)
+    with pytest.raises(ValueError, match="no 4 free consecutive devices"):
+        script.parse_rounds("one+workers:4", 4)
+    with pytest.raises(ValueError, match="beyond the 4 seen"):
+        script.parse_rounds("workers:2@3-4", 4)
+    with pytest.raises(ValueError, match="named twice"):
+        script.parse_rounds("one,one", 4)
+    assert len(set(script.distinct_ports(8))) == 8
+    assert script.phase_reserve({"duration_s": 10.0, "levels": [1, 128], "max_level_seconds": 12.0}) == {
+        "sweep": 60.0, "capacity": 10.0, "sweep 128": 87.0}  # 1 stream before 4 capacity trials, 128 after
     with pytest.raises(ValueError, match="unknown placement"):
         script.parse_setup("sharded:2", 2)
     with pytest.raises(ValueError, match="at least 2 devices"):
@@ -480,8 +536,8 @@ def test_multi_gpu_merge_scaling_against_one_gpu(multi_gpu, tmp_path):
     assert dis["capacity_vs_one"] is None and dis["capacity_streams_per_gpu"] is None
     assert one["capacity_vs_one"] == pytest.approx(1.0) and one["capacity_streams_per_gpu"] == pytest.approx(5.0)
     md = (out / "multi_gpu_table.md").read_text()
-    assert "| replicas | 4 | 100 s (cold) | 2 | 20.0 | 5.00 | 4.00x | 150.0 (64) | 3.66x |" in md
-    assert "| disaggregated | 4 | 100 s (cold) | < 0.25 | - | - | - | 60.0 (32) | 1.50x |" in md
+    assert "| replicas | - | 4 | 100 s (cold) | 100 ms (1.00x) | 2 (fails 4) | 20.0 | 5.00 | 4.00x | 150.0 (64) | 3.66x |" in md
+    assert "| disaggregated | - | 4 | 100 s (cold) | 100 ms (1.00x) | < 0.25 | - | - | - | 60.0 (32) | 1.50x |" in md
     assert "| one | 64 | 6400 ms | 12800 ms | 64 (32 of 128) | 41.0 | 0 |" in md
     assert {p.name for p in out.iterdir()} == {"multi_gpu_results.json", "multi_gpu_table.txt", "multi_gpu_table.md",
                                              "multi_gpu_scaling.png"}

@@ -12,9 +12,13 @@ request did not play: it counts against).
 
 Capacity: the largest rate at which p99 first chunk <= `p99_first_chunk_s` and at least
 `min_underrun_free` of the requests play without an underrun (and none fails). The search doubles
-the rate from `start_rate` until a level fails (or `max_rate`), then bisects between the last
-passing and the first failing rate `refine` times. It reports that rate and the streams in flight
-there (mean and max): for 10-s requests, "N concurrent 10-s streams".
+the rate from `start_rate` until a level fails (or `max_rate`; halving instead when `start_rate`
+fails), then bisects between the last passing and the first failing rate `refine` times, all in at
+most `max_trials` trials. With `within` (e.g. 1.25) it bisects geometrically and stops as soon as
+failing / passing <= `within`: a start near the answer converges in 4 trials. It reports that rate,
+the streams in flight there (mean and max): for 10-s requests, "N concurrent 10-s streams", and
+the bracket [largest passing, smallest failing] with `converged` (both ends found and, with
+`within`, close enough).
 """
 from __future__ import annotations
 
@@ -151,7 +155,7 @@ class CapacityCriteria:
 
 
 async def capacity_search(target: Target, workload: Workload, *, start_rate: float, duration_s: float,
-                          max_rate: float = math.inf, refine: int = 2,
+                          max_rate: float = math.inf, refine: int = 2, within: float | None = None,
                           criteria: CapacityCriteria = CapacityCriteria(), progress: Progress | None = None,
                           stages: StageCounters | None = None, drain_timeout_s: float = 120.0,
                           max_trials: int = 12, detail: bool = False, stop_at: float | None = None) -> dict:
@@ -160,6 +164,8 @@ async def capacity_search(target: Target, workload: Workload, *, start_rate: flo
     as long again by then; `stopped_early` says so."""
     if not start_rate > 0:
         raise ValueError(f"start_rate must be > 0, got {start_rate}")
+    if within is not None and not within > 1:
+        raise ValueError(f"within must be > 1, got {within}")
     trials: list[dict] = []
     stopped = False
 
@@ -195,10 +201,15 @@ async def capacity_search(target: Target, workload: Workload, *, start_rate: flo
                 best = rate
             elif passed is False:
                 worst, rate = rate, rate / 2
+    def close_enough() -> bool:
+        return best is not None and worst is not None and (within is None or worst <= within * best)
+
     for _ in range(refine):
         if best is None or worst is None or len(trials) >= max_trials or stopped:
             break
-        mid = (best + worst) / 2
+        if within is not None and close_enough():
+            break
+        mid = (best + worst) / 2 if within is None else math.sqrt(best * worst)
         passed = await trial(mid)
         if passed:
             best = mid
@@ -214,6 +225,9 @@ async def capacity_search(target: Target, workload: Workload, *, start_rate: flo
         "request_audio_s": at and at["audio_s_per_request"]["avg"],
         "trials": sorted(trials, key=lambda lv: lv["rate"]),
         "stopped_early": stopped,
+        "bracket": [best, worst],
+        "within": within,
+        "converged": close_enough(),
     }
 
 
@@ -245,9 +259,11 @@ def format_capacity(cap: dict) -> str:
         return f"capacity ({rule}): not reached at any rate tried (lowest failing {cap['first_failing_rate']:g}/s)"
     fl = cap["streams_in_flight"]
     audio = cap["request_audio_s"]
+    converged = {True: "converged", False: "not converged", None: ""}[cap.get("converged")]
     return (f"capacity ({rule}): {cap['capacity_rate']:.3g} requests/s = {fl['mean']:.1f} concurrent streams "
             f"(max {fl['max']}) of {audio:.1f} s audio; first failing rate "
-            + (f"{cap['first_failing_rate']:.3g}/s" if cap["first_failing_rate"] is not None else "none tried"))
+            + (f"{cap['first_failing_rate']:.3g}/s" if cap["first_failing_rate"] is not None else "none tried")
+            + (f" ({converged})" if converged else ""))
 
 
 def _ms(x: float | None) -> str:
