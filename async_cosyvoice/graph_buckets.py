@@ -75,13 +75,17 @@ class GraphBuckets:
         T = length_bucket(max(length, self.min_length), self.min_step)
         if B is None or (self.max_bucket_size is not None and B * T > self.max_bucket_size):
             return None
-        if self.cuda_graphs and (B, T) not in self.graphs and len(self.graphs) >= self.max_graphs:
+        return (B, T) if self._has_room((B, T)) else None
+
+    def _has_room(self, bucket: tuple[int, ...]) -> bool:
+        """Whether `bucket` has a graph or may capture one (fewer than max_graphs so far)."""
+        if self.cuda_graphs and bucket not in self.graphs and len(self.graphs) >= self.max_graphs:
             if not self._warned_full:
                 self._warned_full = True
                 log.warning("%d %s CUDA graphs captured (max_graphs): calls of new shapes run without a graph",
                             len(self.graphs), self.what)
-            return None
-        return B, T
+            return False
+        return True
 
     def warmup(self, streams: Sequence[int], lengths: Sequence[int]) -> int:
         """Capture the buckets of these stream counts x lengths now (those past the buckets are
@@ -111,7 +115,7 @@ class GraphBuckets:
     def _capture(self, bucket: Bucket, inputs: dict[str, Tensor]) -> CapturedCall:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        log.info("capturing the %s CUDA graph for batch %d x %d %s", self.what, *bucket, self.unit)
+        log.info("capturing the %s CUDA graph for batch %s %s", self.what, " x ".join(map(str, bucket)), self.unit)
         buffers = self._buffers(bucket, inputs)
         with CAPTURES.capturing(self.what):
             graph = self.graphs[bucket] = CapturedCall(self._fn(bucket), buffers, self.device, self._pool)

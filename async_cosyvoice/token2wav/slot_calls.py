@@ -1,5 +1,5 @@
 """The cached flow call over state slots (state_pool.py) as one CUDA graph per (streams, new
-tokens) bucket.
+tokens, key tokens) bucket.
 
 A call's inputs are integers: each item's slot, the positions [start, end) it computes and the
 prefix [0, keep) it leaves in its slot, plus its new token ids. Prompt, speaker embedding and every
@@ -8,33 +8,76 @@ written there in place, so one graph serves every stream whatever its speaker, p
 position, and streams at different positions batch together. Rows padding a call to its bucket
 name slot 0 (scratch). Calls past the buckets run the same function eagerly at their own size.
 
+Attention reads each slot's first K token positions only, K the call's key bucket: max(end)
+rounded up to a multiple of `key_token_step` (at most the slot's capacity; None: always the
+capacity), so a call's reads and attention scale with what its streams have filled, not with
+the slots' size. For 400-token slots and the default step of 64 that is 7 key buckets
+(64, 128, …, 384, 401); with the warm-up's 4 new-token buckets and 7 stream buckets at most
+7 × 26 = 182 graphs (max_graphs bounds them; past it calls run uncaptured).
+
+`compile=True` (token2wav.estimator: compiled) runs each CFM step's estimator through
+torch.compile (one dynamic-shape program for every bucket and step), so its elementwise chains
+fuse; the graph captures the compiled code. Its writes into the pool stay in place (inductor
+keeps index_put_ / index_copy_ on the slot entries it is given; tests/test_state_pool.py checks
+the pool's storage after a compiled call).
+
 Off CUDA (`cuda_graphs=False`) the call runs padded to its bucket without a graph: the tests use it
 to check that padding changes nothing.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from collections import Counter
+from typing import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..graph_buckets import DEFAULT_STREAM_BUCKETS, Bucket, GraphBuckets
+from ..graph_buckets import DEFAULT_STREAM_BUCKETS, batch_bucket, length_bucket, GraphBuckets
 from ..models.flow.base import MaskedDiffFlow
-from ..models.flow.prefix import SlotGeometry
+from ..models.flow.prefix import SlotCursor, SlotGeometry
 from .state_pool import StatePool
 
-__all__ = ["SlotCalls"]
+log = logging.getLogger(__name__)
+
+__all__ = ["SlotCalls", "DEFAULT_KEY_TOKEN_STEP"]
+
+DEFAULT_KEY_TOKEN_STEP = 64
+SlotBucket = tuple[int, int, int]  # (streams, new tokens, key tokens)
 
 
 class SlotCalls(GraphBuckets):
-    what, unit = "cached flow", "new tokens"
+    what, unit = "cached flow", "(streams x new tokens x key tokens)"
 
     def __init__(self, flow: MaskedDiffFlow, pool: StatePool, *, cuda_graphs: bool | None = None,
                  stream_buckets: Sequence[int] = DEFAULT_STREAM_BUCKETS, min_token_step: int = 32,
-                 max_bucket_tokens: int = 16384, max_graphs: int = 64):
+                 key_token_step: int | None = DEFAULT_KEY_TOKEN_STEP, compile: bool = False,
+                 max_bucket_tokens: int = 16384, max_graphs: int = 192):
+        if key_token_step is not None and key_token_step < 1:
+            raise ValueError(f"key_token_step must be >= 1 or None (the slot's capacity), got {key_token_step}")
         super().__init__(pool.device, cuda_graphs=cuda_graphs, batch_buckets=stream_buckets, min_step=min_token_step,
                          max_bucket_size=max_bucket_tokens, max_graphs=max_graphs)
         self.flow, self.pool = flow, pool
+        self.key_token_step = key_token_step
+        self.key_buckets: Counter[int] = Counter()  # calls per key bucket (tokens)
+        self.estimator_step = CachedEstimatorStep(flow.decoder.estimator, compile)
+
+    def key_bucket(self, end: int) -> int:
+        """The key tokens a call whose items end by `end` attends over."""
+        capacity = self.pool.positions
+        if self.key_token_step is None:
+            return capacity
+        return min(-(-end // self.key_token_step) * self.key_token_step, capacity)
+
+    def bucket(self, batch: int, length: int, end: int | None = None) -> SlotBucket | None:
+        """The (streams, new tokens, key tokens) bucket of a call of `batch` streams computing at
+        most `length` new tokens, ending by `end` (None: a slot's capacity), or None: no graph."""
+        B = batch_bucket(batch, self.batch_buckets)
+        N = length_bucket(max(length, self.min_length), self.min_step)
+        if B is None or (self.max_bucket_size is not None and B * N > self.max_bucket_size):
+            return None
+        bucket = B, N, self.key_bucket(self.pool.positions if end is None else end)
+        return bucket if self._has_room(bucket) else None
 
     @torch.inference_mode()
     def __call__(self, tokens: Tensor, slots: Sequence[int], start: Sequence[int], end: Sequence[int],
@@ -47,40 +90,92 @@ class SlotCalls(GraphBuckets):
         inputs = dict(tokens=tokens.to(dev, torch.int32),
                       **{name: torch.tensor(v, dtype=torch.long).to(dev, non_blocking=True)
                          for name, v in (("slots", slots), ("start", start), ("end", end), ("keep", keep))})
-        bucket = self.bucket(len(slots), new)
+        bucket = self.bucket(len(slots), new, max(end))
         if bucket is None:
             self.fallbacks += 1
-            self._fn((len(slots), new))(**inputs)
+            key = self.key_bucket(max(end))
+            self.key_buckets[key] += 1
+            self._fn((len(slots), new, key))(**inputs)
         else:
+            self.key_buckets[bucket[2]] += 1
             self._run(bucket, inputs)
+
+    def warmup(self, streams: Sequence[int], lengths: Sequence[int]) -> int:
+        """Capture the buckets of these stream counts x new-token counts x every key bucket that
+        holds them. Returns how many graphs were new."""
+        step = self.key_token_step or self.pool.positions
+        keys = sorted({self.key_bucket(k) for k in range(step, self.pool.positions + step, step)})
+        new = 0
+        if not self.cuda_graphs:
+            return new
+        for b in streams:
+            for n in lengths:
+                for k in keys:
+                    bucket = self.bucket(b, n, k)
+                    if bucket is None or bucket in self.graphs or bucket[1] > bucket[2]:
+                        continue
+                    with torch.inference_mode():
+                        self._capture(bucket, self._example(bucket))
+                    new += 1
+        return new
 
     # -- GraphBuckets
 
-    def _fn(self, bucket: Bucket):
-        N = bucket[1]
+    def _fn(self, bucket: SlotBucket):
+        _, N, K = bucket
         pool, flow = self.pool, self.flow
-
         ratio = flow.dims.token_mel_ratio
 
         def call(tokens, slots, start, end, keep):
-            g = SlotGeometry(slots, start, end, keep, N, pool.positions)
+            g = SlotGeometry(slots, start, end, keep, N, K)
             mel = flow.forward_slots(tokens[:, :N + flow.dims.pre_lookahead_len], g, pool.prompt_feat[slots],
                                      pool.prompt_len[slots], pool.embedding[slots], pool.entries,
-                                     pool.n_encoder_entries)
+                                     pool.n_encoder_entries, self.estimator_step)
             at = (ratio * g.positions().repeat_interleave(ratio, dim=1)
                   + torch.arange(ratio, device=mel.device).repeat(N)).clamp(max=pool.mel.shape[1] - 1)
             pool.mel.index_put_((slots.view(-1, 1).expand_as(at), at), mel.transpose(1, 2))
             return mel
         return call
 
-    def _buffer_shape(self, name: str, bucket: Bucket, example: Tensor) -> tuple[int, ...]:
-        Bb, Nb = bucket
+    def _buffer_shape(self, name: str, bucket: SlotBucket, example: Tensor) -> tuple[int, ...]:
+        Bb, Nb, _ = bucket
         if name == "tokens":
             return Bb, Nb + self.flow.dims.pre_lookahead_len
         return (Bb,)
 
-    def _example(self, bucket: Bucket) -> dict[str, Tensor]:
-        Bb, Nb = bucket
+    def _example(self, bucket: SlotBucket) -> dict[str, Tensor]:
+        Bb, Nb, _ = bucket
         zeros = torch.zeros(Bb, dtype=torch.long, device=self.device)
         return dict(tokens=torch.zeros(Bb, Nb + self.flow.dims.pre_lookahead_len, dtype=torch.int32, device=self.device),
                     slots=zeros, start=zeros, end=zeros, keep=zeros)
+
+
+class CachedEstimatorStep:
+    """One CFM step of a cached call over state slots, as CausalConditionalCFM.forward_cached calls
+    it: the estimator module against the step's slot entries. With `compile`, through
+    torch.compile of a function of tensors and one int (the slot geometry is rebuilt inside from
+    its tensors, the cursor from the entries it is given), so one dynamic-shape program serves every
+    step and bucket; a compiler failure falls back to eager with a warning."""
+
+    def __init__(self, estimator: nn.Module, compile: bool):
+        self.estimator = estimator
+        self._fn: Callable[..., Tensor] = torch.compile(self._step, dynamic=True) if compile else self._step
+        self.compiled = compile
+
+    def _step(self, x2: Tensor, mask2: Tensor, mu2: Tensor, t2: Tensor, spks2: Tensor, cond2: Tensor, slots: Tensor,
+              start: Tensor, end: Tensor, keep: Tensor, entries: list[Tensor], N: int, K: int) -> Tensor:
+        g = SlotGeometry(slots, start, end, keep, N, K)
+        return self.estimator(x2, mask2, mu2, t2, spks2, cond2, cache=(SlotCursor(entries), g))
+
+    def __call__(self, x2: Tensor, mask2: Tensor, mu2: Tensor, t2: Tensor, spks2: Tensor, cond2: Tensor,
+                 cursor: SlotCursor, g: SlotGeometry) -> Tensor:
+        args = (x2, mask2, mu2, t2, spks2, cond2, g.slots, g.start, g.end, g.keep, list(cursor.entries), g.N, g.K)
+        try:
+            return self._fn(*args)
+        except Exception as e:  # noqa: BLE001 — a compiler failure must not take the service down
+            if not self.compiled:
+                raise
+            log.warning("torch.compile of the cached flow step failed (%s: %s); running it eagerly",
+                        type(e).__name__, e)
+            self._fn, self.compiled = self._step, False
+            return self._fn(*args)

@@ -169,9 +169,10 @@ class Cursor:
 class SlotGeometry:
     """A cached call over state slots (token2wav/state_pool.py), with nothing read back to the host:
     item b computes positions [start[b], end[b]) of the sequence held in slot slots[b] and keeps
-    [0, keep[b]) there. N (new positions, right-padded) and K (a slot's capacity in positions) are
-    fixed, so a call of given (B, N) is one CUDA graph whatever its items' positions. Padding items
-    name slot 0, a scratch slot no stream owns; their writes land there."""
+    [0, keep[b]) there. N (new positions, right-padded) and K (the key positions every item attends
+    over: a bucket >= every item's end, at most a slot's capacity) are fixed, so a call of given
+    (B, N, K) is one CUDA graph whatever its items' positions. Padding items name slot 0, a scratch
+    slot no stream owns; their writes land there."""
 
     def __init__(self, slots: Tensor, start: Tensor, end: Tensor, keep: Tensor, N: int, K: int):
         self.slots, self.start, self.end, self.keep = slots, start, end, keep
@@ -225,7 +226,8 @@ class SlotCursor:
     (row, slot)'s state is one contiguous block and reading a batch's is a block copy. A conv reads
     its items' context before start (zeros where start is 0) and writes the context before keep;
     an attention layer writes the new keys and values at their positions, then attends over the
-    slot's K positions (the mask hides those at or past end). Only tensor ops: capturable.
+    slot's first K positions (g.K: the call's key bucket; the mask hides those at or past end), so
+    a call reads what its items have filled, not the slots' capacity. Only tensor ops: capturable.
     """
 
     def __init__(self, entries: Sequence[Tensor]):
@@ -252,11 +254,11 @@ class SlotCursor:
         out = []
         for new in (k, v):
             state = self._take()
-            R, S, K, N = state.shape[0], state.shape[1], state.shape[2], new.shape[2]
+            R, S, capacity, N = state.shape[0], state.shape[1], state.shape[2], new.shape[2]
             row, slot, flat = g.rows(R, S)
-            at = g.positions().clamp(max=K - 1).repeat(R, 1)  # padding past the end: the spare last position
+            at = g.positions().clamp(max=capacity - 1).repeat(R, 1)  # padding past the end: the spare last position
             state.index_put_((row.view(-1, 1).expand(-1, N), slot.view(-1, 1).expand(-1, N), at), new.transpose(1, 2))
-            out.append(state.view(R * S, *state.shape[2:]).index_select(0, flat).transpose(1, 2))
+            out.append(state.view(R * S, *state.shape[2:])[:, :g.K].index_select(0, flat).transpose(1, 2))
         return out[0], out[1]
 
 
