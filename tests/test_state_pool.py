@@ -72,6 +72,89 @@ def test_a_prompt_longer_than_a_slot_is_refused_cleanly(flow, hift, prompts):  #
     assert cached.state_pool.stats.leases == 0 and cached.state_pool.free_slots == 1
 
 
+def sequence(prompts, name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens (1, P + 120), prompt_feat, embedding) of a prompt followed by 120 target tokens."""
+    tok, feat, emb = prompts[name]
+    return torch.cat([tok.reshape(1, -1), torch.tensor([target_tokens(120, seed)])], dim=1), feat, emb
+
+
+def slot_call(calls: SlotCalls, seqs, slots, start, end, keep) -> list[torch.Tensor]:
+    """One batched call through the pool: item b computes tokens [start, end) of seqs[b] in its slot
+    and keeps [0, keep). Returns each item's mel (80, ratio·(end − start))."""
+    look = calls.flow.dims.pre_lookahead_len
+    tokens = torch.zeros(len(slots), max(e - s for s, e in zip(start, end)) + look, dtype=torch.int32)
+    for b, (seq, s, e) in enumerate(zip(seqs, start, end)):
+        tokens[b, :e + look - s] = seq[0][0, s:e + look]
+    calls(tokens, slots, start, end, keep)
+    ratio = calls.flow.dims.token_mel_ratio
+    return [calls.pool.mel[slot, ratio * s:ratio * e].T.clone() for slot, s, e in zip(slots, start, end)]
+
+
+def recomputed(flow, seq, start: int, end: int) -> torch.Tensor:  # noqa: F811
+    """Upstream's streaming call over tokens [0, end) (+ look-ahead): the mel of frames [ratio·start, ratio·end)."""
+    tokens, feat, emb = seq
+    look, ratio = flow.dims.pre_lookahead_len, flow.dims.token_mel_ratio
+    with torch.inference_mode():
+        mel, _ = flow(tokens[:, :end + look], torch.tensor([end]), torch.tensor([look]), feat,
+                      torch.tensor([feat.shape[1]]), emb, streaming=True)
+    return mel[0, :, ratio * start:ratio * end]
+
+
+# two rounds of three streams at different fill lengths, one call each; round 1's longest item
+# ends at 128 = a key bucket edge (step 32), so its keys are exactly the bucket; round 2 reads
+# the state round 1 wrote (and one item starts fresh from a filled prefix call)
+ROUNDS = [dict(start=[100, 75, 0], end=[128, 100, 90], keep=[125, 100, 75]),
+          dict(start=[125, 100, 75], end=[150, 160, 130], keep=[150, 150, 125])]
+
+
+def run_rounds(flow, prompts, **calls_kw):  # noqa: F811
+    pool = StatePool(flow, slots=3, slot_tokens=300)
+    calls = SlotCalls(flow, pool, cuda_graphs=False, **({"key_token_step": 32} | calls_kw))
+    seqs = [sequence(prompts, "p24", 11), sequence(prompts, "p16", 12), sequence(prompts, "p24", 13)]
+    slots = [1, 2, 3]
+    for slot, (_, feat, emb) in zip(slots, seqs):
+        pool.load_prompt(slot, feat, emb)
+    slot_call(calls, seqs[:2], slots[:2], [0, 0], [100, 75], [100, 75])  # the prefixes round 1 starts from
+    mels = [slot_call(calls, seqs, slots, **r) for r in ROUNDS]
+    return calls, seqs, mels
+
+
+def test_key_bucketed_calls_equal_the_recompute_at_different_fill_lengths(flow, prompts):  # noqa: F811
+    calls, seqs, mels = run_rounds(flow, prompts)
+    for r, got in zip(ROUNDS, mels):
+        for seq, s, e, m in zip(seqs, r["start"], r["end"], got):
+            err = (m - recomputed(flow, seq, s, e)).abs().max().item()
+            assert err <= ATOL, (s, e, err)
+    # each call read its filled length, not the 301-position capacity: its longest item's end
+    # (prefixes 100, round 1 128, round 2 160) rounded up to 32
+    assert calls.key_buckets == {128: 2, 160: 1}
+    assert calls.key_bucket(128) == 128 and calls.key_bucket(129) == 160 and calls.key_bucket(300) == 301
+
+
+def test_capacity_wide_keys_give_the_same_mels(flow, prompts):  # noqa: F811
+    _, _, bucketed = run_rounds(flow, prompts)
+    calls, _, capacity = run_rounds(flow, prompts, key_token_step=None)
+    assert set(calls.key_buckets) == {301}
+    for a, b in zip(bucketed, capacity):
+        for x, y in zip(a, b):
+            assert (x - y).abs().max().item() <= ATOL
+
+
+@pytest.mark.slow
+def test_the_compiled_step_equals_eager_and_writes_the_pool_in_place(flow, prompts):  # noqa: F811
+    """torch.compile of the cached step (inductor's C++ backend here): the same mels, and the state
+    lands in the pool's own storage (a functional copy would leave it unwritten)."""
+    eager, _, eager_mels = run_rounds(flow, prompts)
+    compiled, _, compiled_mels = run_rounds(flow, prompts, compile=True)
+    assert compiled.estimator_step.compiled  # no fallback to eager
+    for a, b in zip(eager_mels, compiled_mels):
+        for x, y in zip(a, b):
+            assert (x - y).abs().max().item() <= ATOL
+    written = compiled.pool.buffer
+    assert written.abs().sum() > 0
+    assert (written - eager.pool.buffer).abs().max().item() <= ATOL
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts):  # noqa: F811
     from async_cosyvoice.model_dir import build_models
