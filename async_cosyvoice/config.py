@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -96,12 +96,18 @@ class Token2WavConfig(_Section):
     flow_cache_max_tokens: int | None = Field(None, ge=0)  # per stream: no state cached past this many tokens
     # the cache's state in a pool of this many stream slots at fixed addresses (token2wav/state_pool.py), each
     # holding up to flow_cache_slot_tokens prompt + target tokens; speakers' prefixes take slots of
-    # flow_cache_speaker_bytes. Cached calls are then one CUDA graph per (streams, new tokens) bucket on CUDA
-    # (flow_cache_graphs). A stream finding no free slot, or outgrowing its slot, recomputes (exact).
-    # None: the state is kept per stream (any length, no graphs).
-    flow_cache_slots: int | None = Field(None, ge=1)
+    # flow_cache_speaker_bytes. Cached calls are then one CUDA graph per (streams, new tokens, key tokens) bucket
+    # on CUDA (flow_cache_graphs). A stream finding no free slot, or outgrowing its slot, recomputes (exact).
+    # None: the state is kept per stream (any length, no graphs). "auto": as many slots as fit
+    # flow_cache_memory_fraction of the device memory free at start (a count that does not fit fails start).
+    flow_cache_slots: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     flow_cache_slot_tokens: int = Field(400, ge=1)
+    flow_cache_memory_fraction: float = Field(0.6, gt=0, le=1)
+    # a cached call attends over its streams' filled tokens rounded up to this step (null: the slots' capacity)
+    flow_cache_key_tokens: int | None = Field(64, ge=1)
     flow_cache_graphs: bool = True
+    # with estimator: compiled, also torch.compile the cached calls' estimator step (false: eager, still graphed)
+    flow_cache_compile: bool = True
     # the final chunk also from the cache, with chunked attention: NOT exact (upstream's final uses full attention)
     flow_cache_chunked_final: bool = False
     # non-streaming utterances: rendered together in length-sorted, padded batches (docs/offline.md)

@@ -169,3 +169,20 @@ def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts):  # noqa
     tokens = [target_tokens(n, seed) for n, seed in ((90, 1), (70, 2), (60, 3))]
     assert drive(cached, recompute, streams, tokens, first_round=[0, 0, 2]) >= 8
     assert cached.slot_calls.graphs and cached.slot_calls.replays > 0
+
+
+def test_slot_bytes_count_what_a_pool_allocates(flow):  # noqa: F811
+    pool = StatePool(flow, slots=2, slot_tokens=120, speaker_slots=1)
+    assert StatePool.slot_nbytes(flow, 120) * pool.n_slots == pool.nbytes
+
+
+def test_a_pool_too_large_for_the_device_fails_start_before_allocating(model_dir, flow, hift):  # noqa: F811
+    from async_cosyvoice.config import Config
+    from async_cosyvoice.model_dir import Models
+    from async_cosyvoice.token2wav.pool_size import PoolTooLarge
+    from async_cosyvoice.token2wav.stage import token2wav_batcher
+    config = Config.model_validate({"token2wav": {"flow_cache_slots": 10**7}})
+    with pytest.raises(PoolTooLarge, match="token2wav.flow_cache_slots: 10000000 slots"):
+        token2wav_batcher(config, Models(llm=None, flow=flow, hift=hift), model_dir)
+    config = Config.model_validate({"token2wav": {"flow_cache_slots": "auto"}, "limits": {"max_concurrent_streams": 5}})
+    assert token2wav_batcher(config, Models(llm=None, flow=flow, hift=hift), model_dir).runner.state_pool.n_stream_slots == 5

@@ -15,6 +15,7 @@ from .batcher import Token2WavBatcher
 from .flow_graphs import FlowGraphs
 from .hift_graphs import HiFTGraphs
 from .offline import OfflineLimits
+from .pool_size import free_memory, stream_slots
 from .runner import Token2WavRunner
 from .schedule import ChunkSchedule
 from .slot_calls import SlotCalls
@@ -40,10 +41,16 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
                    if t2w.hift_graphs and on_cuda else None)
     slot_calls = None
     if t2w.flow_cache and t2w.flow_cache_slots is not None:
-        speaker_slots = t2w.flow_cache_speaker_bytes // StatePool.slot_nbytes(models.flow, t2w.flow_cache_slot_tokens)
-        pool = StatePool(models.flow, slots=t2w.flow_cache_slots, slot_tokens=t2w.flow_cache_slot_tokens,
-                         speaker_slots=speaker_slots)
-        slot_calls = SlotCalls(models.flow, pool, cuda_graphs=on_cuda and t2w.flow_cache_graphs)
+        slot_bytes = StatePool.slot_nbytes(models.flow, t2w.flow_cache_slot_tokens)
+        speaker_slots = t2w.flow_cache_speaker_bytes // slot_bytes
+        slots = stream_slots(t2w.flow_cache_slots, slot_bytes=slot_bytes, speaker_slots=speaker_slots,
+                             free_bytes=free_memory(device), fraction=t2w.flow_cache_memory_fraction,
+                             slot_tokens=t2w.flow_cache_slot_tokens,
+                             max_slots=config.limits.max_concurrent_streams)
+        pool = StatePool(models.flow, slots=slots, slot_tokens=t2w.flow_cache_slot_tokens, speaker_slots=speaker_slots)
+        slot_calls = SlotCalls(models.flow, pool, cuda_graphs=on_cuda and t2w.flow_cache_graphs,
+                               key_token_step=t2w.flow_cache_key_tokens,
+                               compile=t2w.estimator == "compiled" and t2w.flow_cache_compile)
     runner = Token2WavRunner(models.flow, models.hift, estimator=estimator, length_bucket_ratio=t2w.length_bucket_ratio,
                              flow_cache=t2w.flow_cache, speaker_cache_bytes=t2w.flow_cache_speaker_bytes,
                              max_cached_tokens=t2w.flow_cache_max_tokens, chunked_final=t2w.flow_cache_chunked_final,

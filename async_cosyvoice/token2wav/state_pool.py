@@ -116,7 +116,9 @@ class StatePool:
         numel = 0
         for e in layout[:n_enc] + layout[n_enc:] * steps:
             numel += math.prod(e.shape) if e.kind == "conv" else math.prod(e.shape) * e.scale * (slot_tokens + 1)
-        return numel * size + flow.dims.token_mel_ratio * slot_tokens * flow.dims.output_size * size
+        dims = flow.dims
+        return (numel * size + dims.token_mel_ratio * slot_tokens * dims.output_size * size  # state, prompt mel
+                + dims.spk_embed_dim * 4 + 8 + dims.token_mel_ratio * (slot_tokens + 1) * dims.output_size * 4)
 
     # -- stream slots
 
