@@ -9,11 +9,18 @@ how far the pool's fp16 mels are from the recompute's, and a torch.profiler brea
 
 Each setup is the token2wav stage the server builds (`token2wav.stage.token2wav_batcher`) from
 configs/gpu.yaml with the flow cache off (`recompute`: whole-flow graphs over prompt + all tokens,
-compiled estimator) or on through the pool (`pool`: one graph per (streams, new tokens) bucket; the
-final chunk recomputes, exactly as upstream). All streams share one registered speaker's 150-token
-prompt and run their chunks in lockstep rounds (one `run_many` per round: flow + HiFT), like the
-batcher under load. Rounds are timed with the device synchronised; graphs are captured in an
-untimed first pass.
+compiled estimator) or on through the pool (one graph per (streams, new tokens, key tokens) bucket;
+the final chunk recomputes, exactly as upstream):
+
+- `pool-capacity`: every call attends over the slots' whole capacity, eager step (the pool as first built);
+- `pool-keys`: over the call's key bucket (its streams' filled tokens rounded up), eager step;
+- `pool`: key buckets and the estimator step through torch.compile (configs/gpu.yaml's estimator: compiled).
+
+All streams share one registered speaker's 150-token prompt and run their chunks in lockstep
+rounds (one `run_many` per round: flow + HiFT), like the batcher under load. Rounds are timed with
+the device synchronised; graphs are captured (and the step compiled) in an untimed first pass. The
+pool gets as many slots as fit (`flow_cache_slots: auto`, or --slots); streams past them recompute,
+as in the server. Results are written after every setup, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -42,16 +49,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+SETUPS = {  # token2wav config of each setup, over configs/gpu.yaml
+    "recompute": dict(flow_cache=False),
+    "pool-capacity": dict(flow_cache=True, flow_cache_key_tokens=None, flow_cache_compile=False),
+    "pool-keys": dict(flow_cache=True, flow_cache_compile=False),
+    "pool": dict(flow_cache=True),
+}
+
+
 def stage(model_dir, models, setup: str, args, estimator: str | None = None, slots: int | None = None):
     raw = yaml.safe_load((REPO / "configs" / "gpu.yaml").read_text())
     raw["model"].update(dir=str(model_dir.path), device=args.device)
+    raw.setdefault("limits", {})["max_concurrent_streams"] = max(args.streams)
     t2w = raw["token2wav"]
     if args.device != "cuda" or estimator:
         t2w.update(estimator=estimator or "torch")
-    t2w.update(flow_cache=setup == "pool", max_batch=max(args.streams))
-    if setup == "pool":
+    t2w.update(SETUPS[setup], max_batch=max(args.streams))
+    if t2w["flow_cache"]:
         slot_tokens = args.prompt_tokens + args.tokens
-        t2w.update(flow_cache_slots=slots or args.slots or max(args.streams), flow_cache_slot_tokens=slot_tokens,
+        t2w.update(flow_cache_slots=slots or args.slots or "auto", flow_cache_slot_tokens=slot_tokens,
                    flow_cache_speaker_bytes=StatePool.slot_nbytes(models.flow, slot_tokens))  # one speaker slot
     return token2wav_batcher(Config.model_validate(raw), models, model_dir).runner
 
@@ -121,7 +137,8 @@ def profile(runner, work, n: int, device, out: Path) -> dict:
     streams = work.streams(n)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        lockstep(runner, streams, device)
+        rounds = lockstep(runner, streams, device)
+    chunks = sum(jobs for _, jobs, _ in rounds)
     families = {"attention": ("sdpa", "fmha", "flash", "attention", "softmax"),
                 "gemm": ("gemm", "nvjet", "cutlass", "ampere", "matmul", "xmma"),
                 "gather/scatter": ("index", "gather", "scatter"), "copy": ("copy", "memcpy", "memset", "cat"),
@@ -139,7 +156,8 @@ def profile(runner, work, n: int, device, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"profile_{n}.txt").write_text(prof.key_averages().table(sort_by="device_time_total" if device.type == "cuda"
                                                                      else "cpu_time_total", row_limit=40))
-    return {"device_ms_by_family": totals, "kernels": kernels}
+    return {"device_ms_by_family": {k: round(v, 1) for k, v in totals.items()}, "kernels": kernels, "chunks": chunks,
+            "kernels_per_chunk": round(kernels / max(chunks, 1))}
 
 
 def main(argv=None) -> None:
@@ -151,11 +169,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--first-hop", type=int, default=15)
-    ap.add_argument("--setups", nargs="+", default=["recompute", "pool"])
+    ap.add_argument("--setups", nargs="+", default=["recompute", "pool-capacity", "pool"], choices=list(SETUPS))
     ap.add_argument("--profile-streams", type=int, default=None, help="profile one pass at this many streams")
-    ap.add_argument("--slots", type=int, help="stream slots of the pool (default: the most streams); streams past "
-                    "them recompute, as in the server")
+    ap.add_argument("--slots", type=int, help="stream slots of the pool (default: as many as fit, "
+                    "flow_cache_slots: auto); streams past them recompute, as in the server")
     ap.add_argument("--fp32-check", action="store_true", help="also compare pool and recompute with an fp32 flow")
+    ap.add_argument("--skip-difference", action="store_true", help="skip the pool-vs-recompute mel difference")
     ap.add_argument("--out", type=Path, default=Path("runs/slot-pool"))
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -191,11 +210,16 @@ def main(argv=None) -> None:
             res["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
             torch.cuda.reset_peak_memory_stats(device)
         if runner.state_pool is not None:
+            calls = runner.slot_calls
             res["pool_gib"] = round(runner.state_pool.nbytes / 2**30, 1)
+            res["pool_slots"] = runner.state_pool.n_stream_slots
             res["pool_stats"] = vars(runner.state_pool.stats)
-            res["slot_graphs"] = {"captured": len(runner.slot_calls.graphs), "replays": runner.slot_calls.replays,
-                                  "fallbacks": runner.slot_calls.fallbacks}
+            res["slot_graphs"] = {"captured": len(calls.graphs), "replays": calls.replays, "fallbacks": calls.fallbacks,
+                                  "compiled": calls.estimator_step.compiled,
+                                  "calls_by_key_tokens": dict(sorted(calls.key_buckets.items())),
+                                  "buckets": sorted(calls.graphs)}
         results["setups"][setup] = res
+        (args.out / "slot_pool_results.json").write_text(json.dumps(results, indent=1, default=str))
         print(setup, json.dumps({k: v for k, v in res.items() if k != "levels"}), flush=True)
         for n, lvl in res["levels"].items():
             print(f"  {n:3d} streams: {lvl['gpu_ms_per_audio_s']:7.2f} ms per audio-s, {lvl['rounds']} rounds, "
@@ -204,15 +228,21 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     # exactness: one stream through a one-slot pool against the recompute, in the flow's dtype and in fp32
+    # (fp16: each pool setup as configured, compiled where it compiles; fp32: the eager estimator, key buckets)
     differences = {}
+    pools = [s for s in args.setups if s != "recompute"]
     with torch.inference_mode():
-        for dt in [dtype] + ([torch.float32] if args.fp32_check and dtype != torch.float32 else []):
+        for dt in ([] if args.skip_difference else
+                   [dtype] + ([torch.float32] if args.fp32_check and dtype != torch.float32 else [])):
             if dt == torch.float32 and device.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
             m = models if dt == dtype else build_models(model_dir, device=device, dtype=dt, with_llm=False)
-            pair = [stage(model_dir, m, setup, args, estimator="torch", slots=1) for setup in ("recompute", "pool")]
-            differences[str(dt).removeprefix("torch.")] = flow_mel_difference(*pair, work)
-            del pair, m
+            recompute = stage(model_dir, m, "recompute", args, estimator="torch", slots=1)
+            for setup in (pools if dt == dtype else ["pool-keys"]):
+                pool = stage(model_dir, m, setup, args, estimator=None if dt == dtype else "torch", slots=1)
+                differences[f"{setup} {str(dt).removeprefix('torch.')}"] = flow_mel_difference(recompute, pool, work)
+                del pool
+            del recompute, m
     results["max_abs_mel_difference"] = differences
     print("max |pool - recompute| flow mel:", differences, flush=True)
     (args.out / "slot_pool_results.json").write_text(json.dumps(results, indent=1, default=str))
