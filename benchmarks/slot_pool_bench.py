@@ -187,6 +187,10 @@ def main(argv=None) -> None:
     audio_s = args.tokens / 25
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "workload": vars(args) | {"out": str(args.out), "model_dir": str(path)}, "setups": {}}
+    # exactness: one stream's every chunk through each pool setup as timed (graphed, compiled where it
+    # compiles) against the eager recompute in the flow's dtype; with --fp32-check also in fp32 (eager step)
+    reference = None if args.skip_difference else stage(model_dir, models, "recompute", args, estimator="torch")
+    differences = {}
     for setup in args.setups:
         t0 = time.perf_counter()
         runner = stage(model_dir, models, setup, args)
@@ -206,6 +210,9 @@ def main(argv=None) -> None:
                                     "round_ms": [round(ms, 1) for ms, _, _ in rounds]}
             if args.profile_streams:
                 res["profile"] = profile(runner, work, args.profile_streams, device, args.out / setup)
+            if reference is not None and runner.state_pool is not None:
+                key = f"{setup} {str(dtype).removeprefix('torch.')}"
+                differences[key] = res["max_abs_mel_difference"] = flow_mel_difference(reference, runner, work)
         if device.type == "cuda":
             res["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
             torch.cuda.reset_peak_memory_stats(device)
@@ -227,22 +234,15 @@ def main(argv=None) -> None:
         del runner  # the next setup gets the device's memory (a full pool and the graph pools do not fit together)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    # exactness: one stream through a one-slot pool against the recompute, in the flow's dtype and in fp32
-    # (fp16: each pool setup as configured, compiled where it compiles; fp32: the eager estimator, key buckets)
-    differences = {}
-    pools = [s for s in args.setups if s != "recompute"]
-    with torch.inference_mode():
-        for dt in ([] if args.skip_difference else
-                   [dtype] + ([torch.float32] if args.fp32_check and dtype != torch.float32 else [])):
-            if dt == torch.float32 and device.type == "cuda":
-                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-            m = models if dt == dtype else build_models(model_dir, device=device, dtype=dt, with_llm=False)
-            recompute = stage(model_dir, m, "recompute", args, estimator="torch", slots=1)
-            for setup in (pools if dt == dtype else ["pool-keys"]):
-                pool = stage(model_dir, m, setup, args, estimator=None if dt == dtype else "torch", slots=1)
-                differences[f"{setup} {str(dt).removeprefix('torch.')}"] = flow_mel_difference(recompute, pool, work)
-                del pool
-            del recompute, m
+    del reference
+    if args.fp32_check and dtype != torch.float32 and not args.skip_difference:
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        m = build_models(model_dir, device=device, dtype=torch.float32, with_llm=False)
+        pair = [stage(model_dir, m, setup, args, estimator="torch", slots=1) for setup in ("recompute", "pool-keys")]
+        with torch.inference_mode():
+            differences["pool-keys float32"] = flow_mel_difference(*pair, work)
+        del pair, m
     results["max_abs_mel_difference"] = differences
     print("max |pool - recompute| flow mel:", differences, flush=True)
     (args.out / "slot_pool_results.json").write_text(json.dumps(results, indent=1, default=str))
