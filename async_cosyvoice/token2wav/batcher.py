@@ -167,7 +167,8 @@ class Token2WavBatcher:
         """Capture the CUDA graphs of 1, 2, 4, … up to max_streams streams now, in the device
         thread: the whole flow call's (token2wav/flow_graphs.py) x these token counts, HiFT's (token2wav/hift_graphs.py)
         x these mel frame counts, the cached flow call's (token2wav/slot_calls.py) x its first four
-        new-token buckets (a chunk's hop plus its recomputed partial encoder chunk; a speaker's prefix).
+        new-token buckets (a chunk's hop plus its recomputed partial encoder chunk; a speaker's prefix)
+        x every key bucket that holds them.
         Returns how many were new (0 without graphs)."""
         slot_calls = self.runner.slot_calls
         new_tokens = () if slot_calls is None else range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
