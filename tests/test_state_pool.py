@@ -150,9 +150,10 @@ def test_the_compiled_step_equals_eager_and_writes_the_pool_in_place(flow, promp
     for a, b in zip(eager_mels, compiled_mels):
         for x, y in zip(a, b):
             assert (x - y).abs().max().item() <= ATOL
-    written = compiled.pool.buffer
-    assert written.abs().sum() > 0
-    assert (written - eager.pool.buffer).abs().max().item() <= ATOL
+    written, expected = compiled.pool.buffer, eager.pool.buffer
+    assert torch.equal(written != 0, expected != 0)  # the same positions written, in the pool's own storage
+    # the state itself (keys, values, conv contexts) to float summation order, relative to its largest value
+    assert (written - expected).abs().max().item() <= ATOL * expected.abs().max().item()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

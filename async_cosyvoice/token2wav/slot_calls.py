@@ -15,9 +15,9 @@ the slots' size. For 400-token slots and the default step of 64 that is 7 key bu
 (64, 128, …, 384, 401); with the warm-up's 4 new-token buckets and 7 stream buckets at most
 7 × 26 = 182 graphs (max_graphs bounds them; past it calls run uncaptured).
 
-`compile=True` (token2wav.estimator: compiled) runs each CFM step's estimator through
-torch.compile (one dynamic-shape program for every bucket and step), so its elementwise chains
-fuse; the graph captures the compiled code. Its writes into the pool stay in place (inductor
+`compile=True` (token2wav.estimator: compiled) runs the encoder and each CFM step's estimator
+through torch.compile (one dynamic-shape program each for every bucket and step), so their
+elementwise chains fuse; the graph captures the compiled code. Its writes into the pool stay in place (inductor
 keeps index_put_ / index_copy_ on the slot entries it is given; tests/test_state_pool.py checks
 the pool's storage after a compiled call).
 
@@ -60,7 +60,10 @@ class SlotCalls(GraphBuckets):
         self.flow, self.pool = flow, pool
         self.key_token_step = key_token_step
         self.key_buckets: Counter[int] = Counter()  # calls per key bucket (tokens)
-        self.estimator_step = CachedEstimatorStep(flow.decoder.estimator, compile)
+        estimator = flow.decoder.estimator
+        # the CFM steps' estimator and the encoder, each compiled as one function of the call's tensors
+        self.estimator_step = CompiledSlotCall(lambda *t, cursor, g: estimator(*t, cache=(cursor, g)), compile)
+        self.encoder = CompiledSlotCall(lambda x, cursor, g: flow.encode_cached(x, g, cursor, None), compile)
 
     def key_bucket(self, end: int) -> int:
         """The key tokens a call whose items end by `end` attends over."""
@@ -130,7 +133,7 @@ class SlotCalls(GraphBuckets):
             g = SlotGeometry(slots, start, end, keep, N, K)
             mel = flow.forward_slots(tokens[:, :N + flow.dims.pre_lookahead_len], g, pool.prompt_feat[slots],
                                      pool.prompt_len[slots], pool.embedding[slots], pool.entries,
-                                     pool.n_encoder_entries, self.estimator_step)
+                                     pool.n_encoder_entries, self.estimator_step, self.encoder)
             at = (ratio * g.positions().repeat_interleave(ratio, dim=1)
                   + torch.arange(ratio, device=mel.device).repeat(N)).clamp(max=pool.mel.shape[1] - 1)
             pool.mel.index_put_((slots.view(-1, 1).expand_as(at), at), mel.transpose(1, 2))
@@ -150,32 +153,32 @@ class SlotCalls(GraphBuckets):
                     slots=zeros, start=zeros, end=zeros, keep=zeros)
 
 
-class CachedEstimatorStep:
-    """One CFM step of a cached call over state slots, as CausalConditionalCFM.forward_cached calls
-    it: the estimator module against the step's slot entries. With `compile`, through
-    torch.compile of a function of tensors and one int (the slot geometry is rebuilt inside from
-    its tensors, the cursor from the entries it is given), so one dynamic-shape program serves every
-    step and bucket; a compiler failure falls back to eager with a warning."""
+class CompiledSlotCall:
+    """fn(*tensors, cursor=SlotCursor, g=SlotGeometry), called as `(*tensors, cursor, g)` (the way
+    CausalConditionalCFM.forward_cached calls its estimator and Flow.forward_slots its encoder).
+    With `compile`, through torch.compile of a function of tensors and ints only: the geometry is
+    rebuilt inside from its tensors and the cursor from the entries it is given, so one
+    dynamic-shape program serves every call, step and bucket. A compiler failure falls back to
+    eager with a warning."""
 
-    def __init__(self, estimator: nn.Module, compile: bool):
-        self.estimator = estimator
-        self._fn: Callable[..., Tensor] = torch.compile(self._step, dynamic=True) if compile else self._step
+    def __init__(self, fn: Callable[..., Tensor], compile: bool):
+        self.fn = fn
+        self._call: Callable[..., Tensor] = torch.compile(self._rebuilt, dynamic=True) if compile else self._rebuilt
         self.compiled = compile
 
-    def _step(self, x2: Tensor, mask2: Tensor, mu2: Tensor, t2: Tensor, spks2: Tensor, cond2: Tensor, slots: Tensor,
-              start: Tensor, end: Tensor, keep: Tensor, entries: list[Tensor], N: int, K: int) -> Tensor:
-        g = SlotGeometry(slots, start, end, keep, N, K)
-        return self.estimator(x2, mask2, mu2, t2, spks2, cond2, cache=(SlotCursor(entries), g))
+    def _rebuilt(self, tensors: tuple[Tensor, ...], slots: Tensor, start: Tensor, end: Tensor, keep: Tensor,
+                 entries: list[Tensor], N: int, K: int) -> Tensor:
+        return self.fn(*tensors, cursor=SlotCursor(entries), g=SlotGeometry(slots, start, end, keep, N, K))
 
-    def __call__(self, x2: Tensor, mask2: Tensor, mu2: Tensor, t2: Tensor, spks2: Tensor, cond2: Tensor,
-                 cursor: SlotCursor, g: SlotGeometry) -> Tensor:
-        args = (x2, mask2, mu2, t2, spks2, cond2, g.slots, g.start, g.end, g.keep, list(cursor.entries), g.N, g.K)
+    def __call__(self, *args) -> Tensor:
+        *tensors, cursor, g = args
+        call = (tuple(tensors), g.slots, g.start, g.end, g.keep, list(cursor.entries), g.N, g.K)
         try:
-            return self._fn(*args)
+            return self._call(*call)
         except Exception as e:  # noqa: BLE001 — a compiler failure must not take the service down
             if not self.compiled:
                 raise
-            log.warning("torch.compile of the cached flow step failed (%s: %s); running it eagerly",
+            log.warning("torch.compile of the cached flow call failed (%s: %s); running it eagerly",
                         type(e).__name__, e)
-            self._fn, self.compiled = self._step, False
-            return self._fn(*args)
+            self._call, self.compiled = self._rebuilt, False
+            return self._call(*call)

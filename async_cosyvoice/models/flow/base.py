@@ -147,12 +147,14 @@ class MaskedDiffFlow(nn.Module):
 
     def forward_slots(self, tokens: Tensor, g: SlotGeometry, prompt_feat: Tensor, prompt_feat_lens: Tensor,
                       embedding: Tensor, entries: Sequence[Tensor], n_encoder_entries: int,
-                      estimator: Callable[..., Tensor] | None = None) -> Tensor:
+                      estimator: Callable[..., Tensor] | None = None, encode: Callable[..., Tensor] | None = None
+                      ) -> Tensor:
         """`forward_cached` over state slots (prefix.SlotGeometry, token2wav/state_pool.py): the same
         frames, from tensors alone (a CUDA graph can hold it). entries: the slots' state tensors in
         cursor order, the encoder's first, then each CFM step's. Streaming calls only (look-ahead
         pre_lookahead_len tokens). estimator: runs each CFM step (CausalConditionalCFM.forward_cached;
-        None: the module, eagerly). Returns mel (B, 80, ratio·N) of frames [ratio·start, ratio·end)."""
+        None: the module, eagerly); encode(x, cursor, g) -> mu runs the encoder (None: encode_cached,
+        eagerly). Returns mel (B, 80, ratio·N) of frames [ratio·start, ratio·end)."""
         per_step = (len(entries) - n_encoder_entries) // self.decoder.params.n_timesteps
         encoder = SlotCursor(entries[:n_encoder_entries])
 
@@ -161,7 +163,7 @@ class MaskedDiffFlow(nn.Module):
             return SlotCursor(entries[first:first + per_step])
 
         return self._cached_call(tokens, g, prompt_feat, prompt_feat_lens, embedding, encoder, step_cursor,
-                                 lambda step, c: None, None, estimator)
+                                 lambda step, c: None, None, estimator, encode)
 
     def state_layout(self, n_tokens: int) -> tuple[list[EntryShape], int]:
         """The state entries a cached call walks (encoder's, then one CFM step's), and how many are
@@ -179,12 +181,13 @@ class MaskedDiffFlow(nn.Module):
 
     def _cached_call(self, tokens: Tensor, g, prompt_feat: Tensor, prompt_feat_lens: Tensor, embedding: Tensor,
                      encoder_cursor, step_cursor: Callable, step_done: Callable, context: Tensor | None,
-                     estimator: Callable[..., Tensor] | None = None) -> Tensor:
+                     estimator: Callable[..., Tensor] | None = None, encode: Callable[..., Tensor] | None = None
+                     ) -> Tensor:
         """The body of a cached call, whichever cursor holds the state: mel (B, 80, ratio·N)."""
         dtype, device = self.input_embedding.weight.dtype, self.input_embedding.weight.device
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device).float(), dim=1).to(dtype))
         x = self.input_embedding(tokens.to(device).clamp(min=0).long())
-        mu = self.encode_cached(x, g, encoder_cursor, context)
+        mu = (self.encode_cached(x, g, encoder_cursor, context) if encode is None else encode(x, encoder_cursor, g))
 
         g2 = g.scaled(self.dims.token_mel_ratio)
         valid = g2.valid()
