@@ -157,12 +157,13 @@ def test_the_compiled_step_equals_eager_and_writes_the_pool_in_place(flow, promp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts):  # noqa: F811
+@pytest.mark.parametrize("compile", [False, True])
+def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts, compile):  # noqa: F811
     from async_cosyvoice.model_dir import build_models
     models = build_models(model_dir, device="cuda", dtype=torch.float32, with_llm=False)
     pool = StatePool(models.flow, slots=3, slot_tokens=300, speaker_slots=1)
-    cached = Token2WavRunner(models.flow, models.hift, slot_calls=SlotCalls(models.flow, pool, cuda_graphs=True),
-                             length_bucket_ratio=100)
+    calls = SlotCalls(models.flow, pool, cuda_graphs=True, compile=compile)
+    cached = Token2WavRunner(models.flow, models.hift, slot_calls=calls, length_bucket_ratio=100)
     recompute = Token2WavRunner(models.flow, models.hift, flow_cache=False)
     torch.backends.cudnn.allow_tf32 = False  # fp32 convolutions, so both paths round alike
     streams = [Token2WavStream(*prompts[name], schedule=ChunkSchedule(first_hop=hop), prompt_key=key, device="cuda")
@@ -170,6 +171,7 @@ def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts):  # noqa
     tokens = [target_tokens(n, seed) for n, seed in ((90, 1), (70, 2), (60, 3))]
     assert drive(cached, recompute, streams, tokens, first_round=[0, 0, 2]) >= 8
     assert cached.slot_calls.graphs and cached.slot_calls.replays > 0
+    assert calls.estimator_step.compiled == compile and all(k < pool.positions for k in calls.key_buckets)
 
 
 def test_slot_bytes_count_what_a_pool_allocates(flow):  # noqa: F811
