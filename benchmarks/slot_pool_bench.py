@@ -52,10 +52,10 @@ def sync(device: torch.device) -> None:
 
 
 SETUPS = {  # token2wav config of each setup, over configs/gpu.yaml
-    "recompute": dict(flow_cache=False),
-    "pool-capacity": dict(flow_cache=True, flow_cache_key_tokens=None, flow_cache_compile=False),
-    "pool-keys": dict(flow_cache=True, flow_cache_compile=False),
-    "pool": dict(flow_cache=True),
+    "recompute": {"flow_cache": False},
+    "pool-capacity": {"flow_cache": True, "flow_cache_key_tokens": None, "flow_cache_compile": False},
+    "pool-keys": {"flow_cache": True, "flow_cache_compile": False},
+    "pool": {"flow_cache": True},
 }
 
 

@@ -72,7 +72,7 @@ def test_a_prompt_longer_than_a_slot_is_refused_cleanly(flow, hift, prompts):  #
     assert cached.state_pool.stats.leases == 0 and cached.state_pool.free_slots == 1
 
 
-def sequence(prompts, name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sequence(prompts, name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: F811
     """(tokens (1, P + 120), prompt_feat, embedding) of a prompt followed by 120 target tokens."""
     tok, feat, emb = prompts[name]
     return torch.cat([tok.reshape(1, -1), torch.tensor([target_tokens(120, seed)])], dim=1), feat, emb
@@ -103,8 +103,8 @@ def recomputed(flow, seq, start: int, end: int) -> torch.Tensor:  # noqa: F811
 # two rounds of three streams at different fill lengths, one call each; round 1's longest item
 # ends at 128 = a key bucket edge (step 32), so its keys are exactly the bucket; round 2 reads
 # the state round 1 wrote (and one item starts fresh from a filled prefix call)
-ROUNDS = [dict(start=[100, 75, 0], end=[128, 100, 90], keep=[125, 100, 75]),
-          dict(start=[125, 100, 75], end=[150, 160, 130], keep=[150, 150, 125])]
+ROUNDS = [{"start": [100, 75, 0], "end": [128, 100, 90], "keep": [125, 100, 75]},
+          {"start": [125, 100, 75], "end": [150, 160, 130], "keep": [150, 150, 125]}]
 
 
 def run_rounds(flow, prompts, **calls_kw):  # noqa: F811

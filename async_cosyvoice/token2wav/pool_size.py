@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["PoolTooLarge", "stream_slots", "free_memory"]
+__all__ = ["PoolTooLarge", "free_memory", "stream_slots"]
 
 GiB = 2**30
 

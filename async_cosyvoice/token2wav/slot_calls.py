@@ -28,19 +28,24 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..graph_buckets import DEFAULT_STREAM_BUCKETS, batch_bucket, length_bucket, GraphBuckets
+from ..graph_buckets import (
+    DEFAULT_STREAM_BUCKETS,
+    GraphBuckets,
+    batch_bucket,
+    length_bucket,
+)
 from ..models.flow.base import MaskedDiffFlow
 from ..models.flow.prefix import SlotCursor, SlotGeometry
 from .state_pool import StatePool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SlotCalls", "DEFAULT_KEY_TOKEN_STEP"]
+__all__ = ["DEFAULT_KEY_TOKEN_STEP", "CompiledSlotCall", "SlotCalls"]
 
 DEFAULT_KEY_TOKEN_STEP = 64
 SlotBucket = tuple[int, int, int]  # (streams, new tokens, key tokens)
@@ -175,7 +180,7 @@ class CompiledSlotCall:
         call = (tuple(tensors), g.slots, g.start, g.end, g.keep, list(cursor.entries), g.N, g.K)
         try:
             return self._call(*call)
-        except Exception as e:  # noqa: BLE001 — a compiler failure must not take the service down
+        except Exception as e:  # a compiler failure must not take the service down
             if not self.compiled:
                 raise
             log.warning("torch.compile of the cached flow call failed (%s: %s); running it eagerly",
