@@ -214,14 +214,18 @@ class ServerConfig(_Section):
 
 class WarmupConfig(_Section):
     """What runs before health turns SERVING (async_cosyvoice/warmup.py)."""
-    coverage: bool | None = None  # every batch size for registered speakers' prompts; None: where shapes are captured (CUDA)
-    max_batch: int | None = Field(None, ge=1)  # None: min(limits.max_concurrent_streams, token2wav.max_batch, engine.max_num_seqs)
-    # start-up: distinct prompt lengths of registered speakers warmed, and (flow cache) the most recent
-    # speakers whose flow prompt prefixes are computed (as many as flow_cache_speaker_bytes holds)
+    # capture the fixed graph set (warmup.capture_plan) before SERVING; None: where shapes are captured (CUDA)
+    coverage: bool | None = None
+    # the set, from these alone (never from which speakers exist): at 1 stream every flow bucket of a prompt
+    # of <= capture_prompt_tokens plus <= capture_speech_tokens (25 tokens a second: 10 s + 10 s) and HiFT's
+    # chunks; at 2, 4, ... up to capture_streams streams the first chunks of such prompts and HiFT's chunks.
+    # Other buckets are captured on first use (about 0.2-0.5 s each on an H200)
+    capture_streams: int = Field(1, ge=1)
+    capture_prompt_tokens: int = Field(250, ge=1)
+    capture_speech_tokens: int = Field(250, ge=1)
+    # (flow cache) the most recent speakers whose flow prompt prefixes are computed at start-up (as many as
+    # flow_cache_speaker_bytes holds)
     max_speakers: int = Field(8, ge=0)
-    # a speaker registered while serving: its prompt length warmed at 1, 2, 4, ... up to this many streams
-    # before the registration returns (these requests run beside live traffic); 0: not at all
-    register_max_batch: int = Field(8, ge=0)
     compile_cache_dir: Path | None = None  # torch.compile's caches; None: <cache root>/torch-compile
     # torch.compile's portable cache artifacts (compile_cache.py): loaded before anything compiles, saved
     # after the warm-up, keyed by torch/CUDA/GPU/model/dtypes/graph config; a file for another key is ignored

@@ -16,6 +16,7 @@ A subclass says what runs in a bucket (`_fn`), the static shape of each input th
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -47,6 +48,28 @@ def batch_bucket(batch: int, buckets: Sequence[int]) -> int | None:
     return None
 
 
+def batch_sizes(largest: int) -> list[int]:
+    """1, 2, 4, … and `largest` itself."""
+    sizes, n = [], 1
+    while n < largest:
+        sizes.append(n)
+        n *= 2
+    return sizes + [largest]
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """The graphs the warm-up captures, as (stream counts, lengths) pairs per graph kind: the flow's
+    lengths are tokens (prompt + target), HiFT's mel frames. The token2wav stage maps each pair to
+    its buckets (graph_buckets.GraphBuckets.buckets) and captures each bucket once."""
+    flow: tuple[tuple[tuple[int, ...], range], ...]
+    hift: tuple[tuple[tuple[int, ...], range], ...]
+
+    @property
+    def max_streams(self) -> int:
+        return max((max(streams) for streams, _ in self.flow + self.hift), default=1)
+
+
 class GraphBuckets:
     what = "call"     # for the log: "capturing the <what> CUDA graph for batch B x T <unit>"
     unit = "positions"
@@ -71,11 +94,8 @@ class GraphBuckets:
 
     def bucket(self, batch: int, length: int) -> Bucket | None:
         """The bucket a call of `batch` streams (rows) of `length` falls in, or None: it runs without a graph."""
-        B = batch_bucket(batch, self.batch_buckets)
-        T = length_bucket(max(length, self.min_length), self.min_step)
-        if B is None or (self.max_bucket_size is not None and B * T > self.max_bucket_size):
-            return None
-        return (B, T) if self._has_room((B, T)) else None
+        bucket = self._bucket_of(batch, length)
+        return bucket if bucket is not None and self._has_room(bucket) else None
 
     def _has_room(self, bucket: tuple[int, ...]) -> bool:
         """Whether `bucket` has a graph or may capture one (fewer than max_graphs so far)."""
@@ -87,20 +107,36 @@ class GraphBuckets:
             return False
         return True
 
+    def _bucket_of(self, batch: int, length: int) -> Bucket | None:
+        """`bucket` by the rule alone (max_graphs not counted)."""
+        B = batch_bucket(batch, self.batch_buckets)
+        T = length_bucket(max(length, self.min_length), self.min_step)
+        if B is None or (self.max_bucket_size is not None and B * T > self.max_bucket_size):
+            return None
+        return B, T
+
+    def buckets(self, streams: Sequence[int], lengths: Sequence[int]) -> list[Bucket]:
+        """The distinct buckets of these stream counts x lengths, in order (those past the buckets left out)."""
+        found: dict[Bucket, None] = {}
+        for b in streams:
+            for t in lengths:
+                bucket = self._bucket_of(b, t)
+                if bucket is not None:
+                    found[bucket] = None
+        return list(found)
+
     def warmup(self, streams: Sequence[int], lengths: Sequence[int]) -> int:
-        """Capture the buckets of these stream counts x lengths now (those past the buckets are
-        skipped). Returns how many graphs were new."""
+        """Capture the buckets of these stream counts x lengths now (`buckets`). Returns how many
+        graphs were new."""
         new = 0
         if not self.cuda_graphs:
             return new
-        for b in streams:
-            for t in lengths:
-                bucket = self.bucket(b, t)
-                if bucket is None or bucket in self.graphs:
-                    continue
-                with torch.inference_mode():
-                    self._capture(bucket, self._example(bucket))
-                new += 1
+        for bucket in self.buckets(streams, lengths):
+            if bucket in self.graphs or not self._has_room(bucket):  # captured, or max_graphs reached
+                continue
+            with torch.inference_mode():
+                self._capture(bucket, self._example(bucket))
+            new += 1
         return new
 
     def _run(self, bucket: Bucket, inputs: dict[str, Tensor]) -> Any:

@@ -31,6 +31,7 @@ from .config import Config
 from .devices import DeviceStats, devices_of, on_device
 from .engine.base import EngineStats, first_death
 from .errors import NotReady
+from .graph_buckets import CapturePlan
 from .model_dir import ModelDir
 from .request import Audio, AudioChunk, SynthesisRequest
 from .stage_stats import StageStats, totals
@@ -256,10 +257,10 @@ class Token2WavPool:
         """Returns when a worker's process died (in-process workers never do)."""
         return await first_death(*(w.batcher.wait_dead() for w in self.workers))
 
-    async def capture_graphs(self, max_streams: int, tokens: range, frames: range) -> int:
+    async def capture_graphs(self, plan: CapturePlan) -> int:
         # one worker after another: a capture's warm-up runs may torch.compile, which is not
         # thread-safe (see ReplicaRouter.create)
-        return sum([await w.batcher.capture_graphs(max_streams, tokens, frames) for w in self.workers])
+        return sum([await w.batcher.capture_graphs(plan) for w in self.workers])
 
     async def close(self) -> None:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))

@@ -122,7 +122,7 @@ class Synthesizer:
         self.batcher = batcher
         self.ready = False
         self.compile_cache: PersistentCompileCache | None = None  # saved after the warm-up
-        self.warming = Warmup(config, front.speakers, self.sample_rate,
+        self.warming = Warmup(config, self.sample_rate,
                               max_tokens=min(40, self.rules.max_forced_tokens), capture=batcher.capture_graphs)
         self._engine_serial = itertools.count()  # see _engine_request_id
 
@@ -133,7 +133,6 @@ class Synthesizer:
     @speakers.setter
     def speakers(self, store: SpeakerStoreBase) -> None:  # placement's replicas share one store
         self.front.speakers = store
-        self.warming.speakers = store
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -189,9 +188,8 @@ class Synthesizer:
         return synth
 
     async def warmup(self, rounds: int = 1) -> None:
-        """Before SERVING: every stage once, where shapes are captured every batch size for the
-        registered speakers' prompt lengths (warmup.py), and the flow prompt prefixes of the
-        speakers registered last (`prepare_stored_speakers`, on every token2wav device at once).
+        """Before SERVING: every stage once, where shapes are captured the fixed set of CUDA graphs
+        (warmup.capture_plan), and the flow prompt prefixes of the speakers registered last (`prepare_stored_speakers`, on every token2wav device at once).
         rounds: how often the warm-up requests run (a token2wav pool's sequential streams go round
         its workers: one round per worker warms each)."""
         for _ in range(rounds):
@@ -287,11 +285,10 @@ class Synthesizer:
 
     async def prepare_speaker(self, record: SpeakerRecord) -> None:
         """What a stored speaker's first request would otherwise compute: its flow prompt prefix on
-        every token2wav device (the exact flow cache, token2wav/flow_cache.py) and, where warm-up covers
-        shapes (CUDA) and the model is ready, its prompt length's graphs (warmup.py)."""
+        every token2wav device (the exact flow cache, token2wav/flow_cache.py). Its graphs are not
+        captured here: the warm-up's fixed set covers a prompt of up to warmup.capture_prompt_tokens
+        at 1 stream (warmup.py), whichever speaker it is."""
         await self._prepare_prefix(record)
-        if self.ready:
-            await self.warming.registered(self.synthesize, record.speaker_id, record.voice.n_tokens)
 
     async def _prepare_prefix(self, record: SpeakerRecord) -> None:
         voice = record.voice

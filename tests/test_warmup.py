@@ -1,16 +1,23 @@
-"""Warm-up coverage: registered speakers' prompt lengths at every batch size, before SERVING and
-on registration; torch.compile's cache folder."""
+"""Warm-up: the fixed CUDA-graph capture set (from the config alone, never from the registered
+speakers), its coverage of the common path, Dynamo's recompiles across it; torch.compile's cache folder."""
 import asyncio
 import os
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
 from async_cosyvoice.config import Config
+from async_cosyvoice.estimator.torch_backend import CompiledEstimator
 from async_cosyvoice.frontend.audio import load_audio
-from async_cosyvoice.request import Audio
-from async_cosyvoice.speakers import SpeakerStore
+from async_cosyvoice.graph_buckets import CapturePlan, batch_sizes
+from async_cosyvoice.model_dir import build_models, load_model_dir
+from async_cosyvoice.request import Mode
+from async_cosyvoice.token2wav import ChunkSchedule
+from async_cosyvoice.token2wav.flow_graphs import FlowGraphs
+from async_cosyvoice.token2wav.hift_graphs import HiFTGraphs
 from async_cosyvoice.tts import SyncSynthesizer
-from async_cosyvoice.warmup import GRAPH_TARGET_TOKENS, Warmup, batch_sizes, compile_in_use, use_compile_cache
+from async_cosyvoice.warmup import Warmup, capture_plan, chunk_mel_frames, compile_in_use, use_compile_cache
 
 TRANSCRIPT = "The morning train was late again."
 
@@ -21,26 +28,96 @@ def test_batch_sizes():
     assert batch_sizes(5) == [1, 2, 4, 5]
 
 
-def test_registered_speakers_are_warmed_at_every_batch_size(tiny_dir, tmp_path):
-    prompt = load_audio(tiny_dir / "golden" / "prompt_24k.wav")
-    short = Audio(prompt.samples[: len(prompt.samples) // 2], prompt.sample_rate)
-    base = {"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")}}
-    with SyncSynthesizer(Config.model_validate(base), warmup=True) as s:
-        assert not compile_in_use(s.synth.config)  # CPU: nothing captured, so no coverage by default
-        s.register_speaker("long", TRANSCRIPT, prompt)
-        assert s.synth.warming.warmed == {}
-        n_long = s.synth.speakers.get("long").voice.n_tokens
+@pytest.fixture(scope="module")
+def tiny_models(tiny_dir):
+    return build_models(load_model_dir(tiny_dir), device="cpu", with_llm=False)
 
-    config = Config.model_validate({**base, "warmup": {"coverage": True, "max_batch": 3, "register_max_batch": 2}})
-    with SyncSynthesizer(config, warmup=True) as s:
-        assert s.synth.warming.warmed == {n_long: [1, 2, 3]}  # before the first request
-        s.register_speaker("short", TRANSCRIPT, short)
-        n_short = s.synth.speakers.get("short").voice.n_tokens
-        assert n_short != n_long
-        # registered while serving: beside live traffic, so only up to register_max_batch streams
-        assert s.synth.warming.warmed == {n_long: [1, 2, 3], n_short: [1, 2]}
-        s.register_speaker("long2", TRANSCRIPT, prompt)  # a length already warmed: nothing runs again
-        assert list(s.synth.warming.warmed) == [n_long, n_short]
+
+def plan_buckets(models, plan: CapturePlan, estimator=None) -> tuple[FlowGraphs, HiFTGraphs, list, list]:
+    """The planned buckets, as the GPU's stage would capture them (graphs off CUDA: nothing captured)."""
+    flow = FlowGraphs(models.flow, estimator or models.flow.decoder.estimator, cuda_graphs=False)
+    hift = HiFTGraphs(models.hift, cache_samples=ChunkSchedule().source_cache_len, cuda_graphs=False)
+    return (flow, hift, [b for s, ls in plan.flow for b in flow.buckets(s, ls)],
+            [b for s, ls in plan.hift for b in hift.buckets(s, ls)])
+
+
+def test_capture_plan_is_small_fixed_and_covers_one_stream(tiny_models):
+    config = Config()
+    flow, hift, flow_buckets, hift_buckets = plan_buckets(tiny_models, capture_plan(config))
+    # 1 stream: every flow token bucket up to 10 s of prompt + 10 s of speech (500 tokens), HiFT's chunk lengths
+    assert flow_buckets == [(1, 32 * k) for k in range(1, 17)]
+    assert hift_buckets == [(1, 16 * k) for k in range(1, 10)]
+    # the common path never meets an uncaptured bucket: any prompt <= 10 s, any chunk of <= 10 s of
+    # speech (first, following, final), and every HiFT chunk (first hop .. longest hop + look-ahead)
+    for prompt in range(1, config.warmup.capture_prompt_tokens + 1):
+        for tokens in range(1, config.warmup.capture_speech_tokens + 1):
+            assert flow.bucket(1, prompt + tokens) in flow_buckets, (prompt, tokens)
+    for frames in range(2, chunk_mel_frames(config)[-1] + 1):
+        assert hift.bucket(1, frames) in hift_buckets, frames
+    # more streams only when asked: their first chunks (prompt + a padded first hop + look-ahead)
+    more = Config.model_validate({"warmup": {"capture_streams": 4}})
+    _, _, flow4, hift4 = plan_buckets(tiny_models, capture_plan(more))
+    assert flow4[:16] == flow_buckets and hift4[:9] == hift_buckets
+    length = config.warmup.capture_prompt_tokens + 2 * config.token2wav.first_hop + 3
+    assert {b for b in flow4[16:]} == {(s, 32 * k) for s in (2, 4) for k in range(1, -(-length // 32) + 1)}
+    assert {b for b in hift4[9:]} == {(s, 16 * k) for s in (2, 4) for k in range(1, 10)}
+    assert length < 320
+
+
+def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
+    """The warm-up asks the token2wav stage for the same plan with or without registered speakers,
+    runs one request (the generated prompt's), none by the speakers."""
+    prompt = load_audio(tiny_dir / "golden" / "prompt_24k.wav")
+    config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")},
+                                    "warmup": {"coverage": True}})
+    seen = []
+
+    def recording(synth):
+        async def synthesize(request):
+            seen.append(("request", request.mode))
+            async for chunk in synth.synthesize(request):
+                yield chunk
+
+        async def capture(plan):
+            seen.append(("capture", plan))
+            return await synth.batcher.capture_graphs(plan)
+        return synthesize, capture
+
+    plans = []
+    for registered in (False, True):
+        with SyncSynthesizer(config, warmup=False) as s:
+            if registered:
+                s.register_speaker("long", TRANSCRIPT, prompt)  # before the warm-up: a restart's store
+            synthesize, capture = recording(s.synth)
+            s.synth.warming.capture = capture
+            seen.clear()
+            s.call(s.synth.warming.run(synthesize))
+            assert [kind for kind, _ in seen] == ["capture", "request"]
+            assert seen[1][1] is Mode.CROSS_LINGUAL
+            plans.append(seen[0][1])
+    assert plans[0] == plans[1] == capture_plan(config)
+
+
+@pytest.mark.slow
+def test_compiled_estimator_compiles_once_for_every_planned_bucket(tiny_models, tmp_path, monkeypatch):
+    """The flow graphs run the compiled estimator (dynamic shapes) at every planned bucket: one Dynamo
+    frame, no recompile, so a capture never waits for a compile (Dynamo's decisions; backend eager
+    keeps the test in seconds)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "tc"))
+    torch._dynamo.reset()
+    counters.clear()
+    estimator = CompiledEstimator(tiny_models.flow.decoder.estimator, compile=True, cuda_graphs=False,
+                                  compile_options={"backend": "eager"})
+    plan = capture_plan(Config.model_validate({"warmup": {"capture_streams": 4, "capture_prompt_tokens": 100,
+                                                          "capture_speech_tokens": 100}}))
+    flow, _, flow_buckets, _ = plan_buckets(tiny_models, plan, estimator.capturable)
+    with torch.inference_mode():
+        for bucket in flow_buckets:
+            flow._run(bucket, flow._example(bucket))
+    assert len(flow_buckets) > 8
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
+    torch._dynamo.reset()
 
 
 def test_compile_cache_folder(tmp_path, monkeypatch):
@@ -60,32 +137,3 @@ def test_compile_cache_folder(tmp_path, monkeypatch):
 ])
 def test_compile_in_use(overrides, expected):
     assert compile_in_use(Config.model_validate(overrides)) is expected
-
-
-def test_graphs_of_a_prompt_length_are_captured_after_its_requests(tmp_path):
-    """With CUDA graphs the warm-up also captures the later chunks' calls, which short requests do
-    not reach: the flow's of prompt + 1 .. GRAPH_TARGET_TOKENS tokens and HiFT's of every streaming
-    chunk's mel length, at the warmed stream counts."""
-    events = []
-
-    async def synthesize(request):
-        events.append(("request", request.speaker_id))
-        return
-        yield
-
-    async def capture(max_streams, tokens, frames):
-        events.append(("capture", max_streams, tokens, frames))
-        return 7
-
-    config = Config.model_validate({"warmup": {"coverage": True, "max_batch": 4}})
-    warm = Warmup(config, SpeakerStore(tmp_path), 24000, max_tokens=40, capture=capture)
-    asyncio.run(warm.speaker(synthesize, "alice", 150))
-    assert events[:-1] == [("request", "alice")] * 7  # 1 + 2 + 4 streams first
-    kind, streams, tokens, frames = events[-1]
-    assert (kind, streams) == ("capture", 4)
-    assert tokens[0] == 151 and tokens[-1] >= 150 + GRAPH_TARGET_TOKENS - 16 and tokens.step <= 16
-    # HiFT: every streaming chunk's mel length, up to 8 cached frames + a final chunk of max_hop + 3 tokens
-    t2w = config.token2wav
-    assert frames[0] <= 16 and frames.step <= 16
-    assert frames[-1] >= 8 + 2 * (t2w.first_hop * t2w.max_hop_multiple + 3)
-    assert warm.warmed == {150: [1, 2, 4]}

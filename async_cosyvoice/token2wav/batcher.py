@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from ..graph_buckets import CapturePlan, batch_sizes
 from ..stage_stats import StageStats, timed_call
 from .offline import OfflineLimits, is_offline_job
 from .offline_batcher import OfflineBatcher
@@ -163,24 +164,28 @@ class Token2WavBatcher:
             raise result
         return result
 
-    async def capture_graphs(self, max_streams: int, tokens: range, frames: range) -> int:
-        """Capture the CUDA graphs of 1, 2, 4, … up to max_streams streams now, in the device
-        thread: the whole flow call's (token2wav/flow_graphs.py) x these token counts, HiFT's (token2wav/hift_graphs.py)
-        x these mel frame counts, the cached flow call's (token2wav/slot_calls.py) x its first four
-        new-token buckets (a chunk's hop plus its recomputed partial encoder chunk; a speaker's prefix)
-        x every key bucket that holds them.
-        Returns how many were new (0 without graphs)."""
+    async def capture_graphs(self, plan: CapturePlan) -> int:
+        """Capture the warm-up's CUDA graphs now (warmup.capture_plan), in the device thread: the whole
+        flow call's (token2wav/flow_graphs.py) and HiFT's (token2wav/hift_graphs.py) buckets of the
+        plan, and the cached flow call's (token2wav/slot_calls.py) at the plan's stream counts x its
+        first four new-token buckets (a chunk's hop plus its recomputed partial encoder chunk; a
+        speaker's prefix) x every key bucket that holds them. Logs one line per graph kind; returns how many were new (0 without graphs)."""
         slot_calls = self.runner.slot_calls
-        new_tokens = () if slot_calls is None else range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
-                                                         slot_calls.min_step)
+        slot_plan = () if slot_calls is None else (
+            (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
+                                                        slot_calls.min_step)),)
 
         def capture() -> int:
             new = 0
-            for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.hift_graphs, frames),
-                                    (slot_calls, new_tokens)):
-                if graphs is not None:
-                    streams = [b for b in graphs.batch_buckets if b <= max_streams] or [graphs.batch_buckets[0]]
-                    new += graphs.warmup(streams, lengths)
+            for graphs, pairs in ((self.runner.flow_graphs, plan.flow), (self.runner.hift_graphs, plan.hift),
+                                  (slot_calls, slot_plan)):
+                if graphs is None or not graphs.cuda_graphs:
+                    continue
+                t, n = time.perf_counter(), 0
+                for streams, lengths in pairs:
+                    n += graphs.warmup(streams, lengths)
+                log.info("warm-up: %d %s CUDA graph(s) captured in %.1f s", n, graphs.what, time.perf_counter() - t)
+                new += n
             return new
         return await self.run_on_device(capture, items=0)
 

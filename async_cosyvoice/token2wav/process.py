@@ -42,6 +42,7 @@ from torch import Tensor
 from ..compile_cache import compile_in_use, use_compile_cache
 from ..config import Config
 from ..errors import EngineDead
+from ..graph_buckets import CapturePlan
 from ..model_dir import ModelDir, load_model_dir
 from ..stage_stats import StageStats
 from .batcher import Token2WavBatcher
@@ -179,8 +180,8 @@ class Token2WavProcess:
     def forget_speaker(self, speaker_id: str) -> None:
         self._send_quietly(("call", None, "forget_speaker", (speaker_id,)))
 
-    async def capture_graphs(self, max_streams: int, tokens: range, frames: range) -> int:
-        return await self._request("call", "capture_graphs", (max_streams, tokens, frames))
+    async def capture_graphs(self, plan: CapturePlan) -> int:
+        return await self._request("call", "capture_graphs", (plan,))
 
     async def wait_dead(self) -> str:
         """Returns (the reason) once the child has died; never while it runs or after close()."""
