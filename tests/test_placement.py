@@ -66,9 +66,9 @@ def _device_metric(st: ServerThread, name: str) -> dict[tuple[str, str], float]:
 
 
 def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden_dir):
-    # warm-up coverage forced (as on a GPU): a registration warms its prompt length on every replica
-    with _server(tiny_dir, tmp_path, ["cpu", "cpu"], "replicas",
-                 warmup={"coverage": True, "max_batch": 1, "register_max_batch": 1}) as st:
+    # warm-up coverage forced (as on a GPU): the capture plan on every replica, and a registration
+    # prepares the speaker's flow prefix on every replica
+    with _server(tiny_dir, tmp_path, ["cpu", "cpu"], "replicas", warmup={"coverage": True}) as st:
         router = st.server.synthesizer
         assert isinstance(router, ReplicaRouter) and len(router.replicas) == 2
         prompt = (golden_dir / "prompt_24k.wav").read_bytes()
@@ -83,9 +83,6 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         assert prefixes("tiny_zs_spk") == [True, True]  # the model directory's zero-shot speaker: at start
 
         st.call(register(), timeout=300)
-        registered_on = [r.served for r in router.replicas].index(1)  # the replica that computed it
-        n_prompt = router.speakers.get("shared_voice").voice.n_tokens
-        assert [r.synth.warming.warmed.get(n_prompt) for r in router.replicas] == [[1], [1]]
         assert prefixes() == [True, True]  # its flow prompt prefix is on both replicas before any request
         served_before = [r.served for r in router.replicas]
         # same seed on both replicas: the same audio wherever a request lands
@@ -93,7 +90,6 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
                         timeout=600)
         served = [r.served - b for r, b in zip(router.replicas, served_before)]
         assert served == [2, 2], served  # 4 concurrent requests: least-loaded routing alternates
-        assert served[1 - registered_on] > 0  # the other replica used the speaker registered on the first
         _same_audio(audio)
         assert all(r.active == 0 for r in router.replicas)
         assigned = _device_metric(st, "cosyvoice_device_assigned_total")

@@ -22,6 +22,7 @@ from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.speakers import SpeakerStore
 from async_cosyvoice.token2wav.process import Token2WavProcess
 from async_cosyvoice.tts import Synthesizer
+from async_cosyvoice.warmup import capture_plan
 from grpc_async.client import CosyVoiceClient, collect
 from grpc_async.server import ENGINE_DEAD_EXIT_CODE, ServerThread
 
@@ -108,7 +109,7 @@ def test_child_death_ends_requests_and_the_server(tiny_dir, tmp_path):
         inflight, new = asyncio.run(body())
         assert st.call(st.server.serve_until(asyncio.Event()), timeout=60) == ENGINE_DEAD_EXIT_CODE
         with pytest.raises(EngineDead, match="token2wav process on cpu exited"):
-            st.call(proc.capture_graphs(1, range(1), range(16, 17)), timeout=30)
+            st.call(proc.capture_graphs(capture_plan(Config())), timeout=30)
     finally:
         st.close(grace=0)
     for code, details in (inflight, new):
