@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WARM_TEXT = "Warm up."
+WARM_PROMPT_TEXT = "A steady tone, held for a while, to warm the server up before it serves."
+SPEECH_TOKENS_PER_SECOND = 25  # CosyVoice2 and 3's speech tokenizers
 
 
 def chunk_mel_frames(config: Config) -> range:
@@ -96,6 +98,18 @@ class Warmup:
     def plan(self) -> CapturePlan:
         return capture_plan(self.config)
 
+    def request(self) -> SynthesisRequest:
+        """The warm-up request. Where shapes are captured, a zero-shot one with a prompt as long as the
+        capture set covers (`capture_prompt_tokens`): the LLM's prefill and the allocator meet the
+        longest common prompt before a user does; else a cross-lingual one with a 1-s prompt."""
+        options = SynthesisOptions(stream=True, seed=0, max_tokens=self.max_tokens)
+        if not self.coverage:
+            return SynthesisRequest(Mode.CROSS_LINGUAL, text=WARM_TEXT, prompt_audio=sine_prompt(self.sample_rate),
+                                    options=options)
+        seconds = self.config.warmup.capture_prompt_tokens / SPEECH_TOKENS_PER_SECOND
+        return SynthesisRequest(Mode.ZERO_SHOT, text=WARM_TEXT, prompt_text=WARM_PROMPT_TEXT,
+                                prompt_audio=sine_prompt(self.sample_rate, seconds), options=options)
+
     async def run(self, synthesize) -> None:
         t = time.monotonic()
         if self.coverage and self.capture is not None:
@@ -103,7 +117,5 @@ class Warmup:
             log.info("warm-up captured %d planned CUDA graph(s) in %.1f s (at 1..%d streams; prompt <= %d + "
                      "speech <= %d tokens at 1 stream)", self.captured, time.monotonic() - t, self.plan.max_streams,
                      self.config.warmup.capture_prompt_tokens, self.config.warmup.capture_speech_tokens)
-        request = SynthesisRequest(Mode.CROSS_LINGUAL, text=WARM_TEXT, prompt_audio=sine_prompt(self.sample_rate),
-                                   options=SynthesisOptions(stream=True, seed=0, max_tokens=self.max_tokens))
-        await drain(synthesize(request))
+        await drain(synthesize(self.request()))
         log.info("warm-up done in %.1f s", time.monotonic() - t)

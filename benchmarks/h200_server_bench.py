@@ -29,10 +29,11 @@ Steps (each timed; the results say how long):
 4. a speaker registered over gRPC from a generated 6 s prompt (150 prompt tokens); the first
    request after SERVING (cold) is timed on its own, with the server's split of its first chunk
    (until its tokens / waiting for a token2wav batch / the batch);
-5. warm-up: one untimed round of short requests at each closed-loop level (the speaker registered
-   while serving was warmed at 1-8 streams only; step 4 measured the cold path); for CosyVoice3
-   the requests are the workload's full length (plan warmup_tokens None), since its vocoder
-   re-vocodes the whole mel so far: its HiFT graph buckets grow with the utterance;
+5. warm-up: one untimed round of short requests at each closed-loop level (the server's start
+   captured its fixed graph set only, 1 stream by default: warmup.capture_plan; step 4 measured
+   the cold path); for CosyVoice3 the requests are the workload's full length (plan
+   warmup_tokens None), since its vocoder re-vocodes the whole mel so far: its HiFT graph
+   buckets grow with the utterance;
 6. the closed-loop sweep 1, 4, 16, 32, 64 streams of 250 forced tokens (10 s of audio),
    requests per level 4, 8, 32, 64, 128, each level stopped after --max-level-seconds;
 7. the open-loop capacity search: Poisson arrivals of the same 10-s requests, doubling the rate
@@ -40,8 +41,8 @@ Steps (each timed; the results say how long):
    largest rate with p99 first chunk <= 300 ms and >= 99 % of requests free of underruns;
 8. the server is stopped (SIGINT, then SIGKILL after 30 s);
 9. restart: the same server started again (same speaker store, same torch.compile cache): time to
-   SERVING and its phase table, its first request (the registered speaker is warmed at start-up)
-   and three warm ones, each with the first-chunk split.
+   SERVING and its phase table (it captures the same graph set as the first start), its first
+   request and three warm ones, each with the first-chunk split.
 Steps 3-8 (`server_config`, `run_server`, `measure_server`) are also the per-setup code of
 benchmarks/multi_gpu_server_bench.py.
 Every level reports the server's own stage counters (LLM steps, token2wav batches: busy

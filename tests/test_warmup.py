@@ -66,7 +66,7 @@ def test_capture_plan_is_small_fixed_and_covers_one_stream(tiny_models):
 
 def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
     """The warm-up asks the token2wav stage for the same plan with or without registered speakers,
-    runs one request (the generated prompt's), none by the speakers."""
+    runs one request (a generated prompt's), none by the speakers."""
     prompt = load_audio(tiny_dir / "golden" / "prompt_24k.wav")
     config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")},
                                     "warmup": {"coverage": True}})
@@ -93,7 +93,7 @@ def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
             seen.clear()
             s.call(s.synth.warming.run(synthesize))
             assert [kind for kind, _ in seen] == ["capture", "request"]
-            assert seen[1][1] is Mode.CROSS_LINGUAL
+            assert seen[1][1] is Mode.ZERO_SHOT  # a 10-s generated prompt: the longest the set covers
             plans.append(seen[0][1])
     assert plans[0] == plans[1] == capture_plan(config)
 
