@@ -42,6 +42,11 @@ import torch
 
 from .files import atomic_write_bytes, cache_root
 
+try:  # inductor's own default folder (private; absent in some builds)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+except ImportError:  # pragma: no cover
+    default_cache_dir = None
+
 if TYPE_CHECKING:
     from .config import Config
 
@@ -232,10 +237,21 @@ def artifacts_path(cache_dir: Path, role: str) -> Path:
     return Path(cache_dir) / "artifacts" / f"{role}.bin"
 
 
-def compile_cache_dir(config: Config) -> Path:
-    """Where torch.compile's caches are: an explicit TORCHINDUCTOR_CACHE_DIR in the environment, else
-    `warmup.compile_cache_dir` (default: <cache root>/torch-compile)."""
+def operator_inductor_dir() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR as the operator set it, or None. Importing torch._dynamo (which much
+    of torch does) sets it to inductor's default (/tmp/torchinductor_<user>) when unset, so that
+    value is taken as unset: else `warmup.compile_cache_dir` would be ignored in every server."""
     explicit = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if explicit is None or (default_cache_dir is not None and
+                            os.path.abspath(explicit) == os.path.abspath(default_cache_dir())):
+        return None
+    return explicit
+
+
+def compile_cache_dir(config: Config) -> Path:
+    """Where torch.compile's caches are: an explicit TORCHINDUCTOR_CACHE_DIR in the environment
+    (`operator_inductor_dir`), else `warmup.compile_cache_dir` (default: <cache root>/torch-compile)."""
+    explicit = operator_inductor_dir()
     if explicit is not None:
         return Path(explicit)
     return Path(config.warmup.compile_cache_dir or cache_root() / "torch-compile").expanduser()
@@ -252,7 +268,7 @@ def use_compile_cache(config: Config) -> Path:
     `warmup.precompile`). Inductor reads the folder when it first compiles, so this runs before the
     models are built."""
     chosen = compile_cache_dir(config)
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    if operator_inductor_dir() is None:
         chosen.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(chosen)
     if config.warmup.precompile:

@@ -129,6 +129,18 @@ def test_compile_cache_folder(tmp_path, monkeypatch):
     assert use_compile_cache(config) == tmp_path / "mine"
 
 
+def test_inductors_own_default_is_not_the_operators_choice(tmp_path, monkeypatch):
+    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to inductor's default when it is unset:
+    that must not hide warmup.compile_cache_dir (it did: every server used /tmp/torchinductor_<user>)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert cache_dir() == os.path.abspath(default_cache_dir())  # what torch does on its own
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == cache_dir()
+    config = Config.model_validate({"warmup": {"compile_cache_dir": str(tmp_path / "tc")}})
+    assert use_compile_cache(config) == tmp_path / "tc"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "tc")
+
+
 @pytest.mark.parametrize("overrides, expected", [
     ({}, False),
     ({"model": {"device": "cuda"}}, True),  # engine.cuda_graphs defaults to true
