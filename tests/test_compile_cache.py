@@ -121,6 +121,20 @@ def test_precompile_is_switched_on_and_its_expected_guard_warnings_are_quiet(tmp
     assert [r.getMessage() for r in caplog.records if r.name == guards.name] == ["another guard warning"]
 
 
+def test_a_file_saved_without_precompile_is_not_used_with_it(tmp_path, tiny_dir, caplog):
+    """Switching warmup.precompile makes the stored file another setup's: one log line, not loaded."""
+    configs = [Config.model_validate({"warmup": {"precompile": p, "compile_cache_dir": str(tmp_path)}})
+               for p in (False, True)]
+    keys = [CompileCacheKey.for_server(c, tiny_dir, torch.device("cpu")) for c in configs]
+    path = artifacts_path(tmp_path, "server")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(encode(keys[0], b"not torch's format"))  # handed to torch, this would be "corrupt"
+    cache = PersistentCompileCache(path, keys[1])
+    assert cache.load() == "mismatch"
+    assert warnings_of(caplog) == [w for w in warnings_of(caplog) if "precompile: False -> True" in w]
+    assert len(warnings_of(caplog)) == 1
+
+
 def test_open_compile_cache_off(tmp_path, tiny_dir):
     config = Config.model_validate({"warmup": {"persistent_compile_cache": False, "compile_cache_dir": str(tmp_path)}})
     assert open_compile_cache(config, tiny_dir, torch.device("cpu")) is None
@@ -180,6 +194,8 @@ def hit_after_a_damaged_file(tmp_path, fresh_compiler, precompile: bool) -> None
     fresh_compiler("second")
     second = PersistentCompileCache(path, key)
     assert second.load() == "hit" and second.loaded
+    # precompile's own entry (Dynamo's traced frame) travels in the same file, only when it is on
+    assert ("precompile" in {kind for kind, _ in second.loaded}) is precompile
     compile_tiny()
     assert counters["inductor"]["fxgraph_cache_hit"] >= 1
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
