@@ -51,7 +51,8 @@ A wall-clock budget (--budget-s, default 560 s) keeps the run inside one 10-minu
 phases that would start too late are skipped and listed under "skipped"; a failing phase is
 recorded and the next one runs. Writes into --out (default $OUT or runs/h200-server):
 server_results.json, server_table.txt, server-latency.png, server-throughput.png,
-server-first_chunk_hist.png, server-open_loop.png, server_log_tail.txt.
+server-first_chunk_hist.png, server-open_loop.png, server_log_tail.txt, server_startup_lines.txt
+(and restart_log_tail.txt, restart_startup_lines.txt).
 """
 from __future__ import annotations
 
@@ -294,12 +295,16 @@ class ServerProcess:
         return ""
 
 
+# the server log's start-up lines (what was captured, the phase table, the compile cache), kept beside the tail
+STARTUP_LINE = re.compile(r"warm-up|start-up|compile cache|torch\.compile|CUDA graph|^  \S.*\d s$|SERVING")
+
+
 def run_server(config: Config, workdir: Path, log_path: Path, measure, results: dict,
                error_key: str = "server") -> tuple[int | None, str]:
     """Start a server from `config`, run the coroutine `measure(server)` against it, stop it. A failure
     (e.g. the server never came up) is recorded in results["phase_errors"][error_key], so what was
-    measured is kept. Returns the server's exit status and the last 200 lines of its log; the log
-    file itself is removed (it can be large)."""
+    measured is kept. Returns the server's exit status and the last 200 lines of its log; its start-up
+    lines are kept in <error_key>_startup_lines.txt beside it, the log file itself is removed (it can be large)."""
     server = ServerProcess(config, workdir, log_path)
     server.start()
     try:
@@ -310,6 +315,9 @@ def run_server(config: Config, workdir: Path, log_path: Path, measure, results: 
     finally:
         returncode = server.stop()
         tail = server.log_tail(200)
+        with contextlib.suppress(OSError):
+            startup = [line for line in log_path.read_text(errors="replace").splitlines() if STARTUP_LINE.search(line)]
+            log_path.with_name(f"{error_key}_startup_lines.txt").write_text("\n".join(startup[:120]) + "\n")
         with contextlib.suppress(OSError):
             log_path.unlink()
     return returncode, tail

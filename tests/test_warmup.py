@@ -1,6 +1,5 @@
 """Warm-up: the fixed CUDA-graph capture set (from the config alone, never from the registered
 speakers), its coverage of the common path, Dynamo's recompiles across it; torch.compile's cache folder."""
-import asyncio
 import os
 
 import pytest
@@ -17,7 +16,12 @@ from async_cosyvoice.token2wav import ChunkSchedule
 from async_cosyvoice.token2wav.flow_graphs import FlowGraphs
 from async_cosyvoice.token2wav.hift_graphs import HiFTGraphs
 from async_cosyvoice.tts import SyncSynthesizer
-from async_cosyvoice.warmup import Warmup, capture_plan, chunk_mel_frames, compile_in_use, use_compile_cache
+from async_cosyvoice.warmup import (
+    capture_plan,
+    chunk_mel_frames,
+    compile_in_use,
+    use_compile_cache,
+)
 
 TRANSCRIPT = "The morning train was late again."
 
