@@ -63,11 +63,12 @@ class CapturePlan:
     lengths are tokens (prompt + target), HiFT's mel frames. The token2wav stage maps each pair to
     its buckets (graph_buckets.GraphBuckets.buckets) and captures each bucket once."""
     flow: tuple[tuple[tuple[int, ...], range], ...]
-    hift: tuple[tuple[tuple[int, ...], range], ...]
+    hift: tuple[tuple[tuple[int, ...], range], ...]         # CosyVoice2's HiFT: a chunk's frames
+    causal_hift: tuple[tuple[tuple[int, ...], range], ...]  # CosyVoice3's CausalHiFT: all the mel so far
 
     @property
     def max_streams(self) -> int:
-        return max((max(streams) for streams, _ in self.flow + self.hift), default=1)
+        return max((max(streams) for streams, _ in self.flow + self.hift + self.causal_hift), default=1)
 
 
 class GraphBuckets:

@@ -13,7 +13,9 @@ depend only on the chunk's hop. So the warm-up
    `warmup.capture_prompt_tokens` + `warmup.capture_speech_tokens` (every chunk of a request whose
    prompt and speech are at most that long) and HiFT's of every streaming chunk's mel length; at
    2, 4, … up to `warmup.capture_streams` streams (default 1: none), the flow graphs of the first
-   chunks of such prompts and HiFT's chunks. Rarer buckets (more streams, longer utterances) are
+   chunks of such prompts and HiFT's chunks. CosyVoice3's causal vocoder re-vocodes all the mel so
+   far: its HiFT graphs at 1 stream are every frame bucket up to the speech tokens' mel, at more
+   streams a first chunk's. Rarer buckets (more streams, longer utterances) are
    captured on first use.
 What is compiled is kept across restarts by compile_cache.py (`use_compile_cache`, re-exported here).
 """
@@ -54,17 +56,21 @@ def capture_plan(config: Config) -> CapturePlan:
     """The fixed capture set of this config (see the module docstring); steps of 16 tokens / frames
     reach every bucket (the flow's are >= 32 tokens wide, HiFT's >= 16 frames)."""
     w, t2w = config.warmup, config.token2wav
+    s = ChunkSchedule(first_hop=t2w.first_hop, max_hop_multiple=t2w.max_hop_multiple)
     frames = chunk_mel_frames(config)
-    lookahead = ChunkSchedule().pre_lookahead
     whole = range(16, w.capture_prompt_tokens + w.capture_speech_tokens + 16, 16)
+    # CosyVoice3's causal vocoder re-vocodes the whole target mel so far (and its look-ahead)
+    causal = range(16, s.token_mel_ratio * (w.capture_speech_tokens + s.pre_lookahead) + 16, 16)
     # a first chunk: the prompt, a first hop padded to align prompt + hop (< 2 first hops), the look-ahead
-    first = range(16, w.capture_prompt_tokens + 2 * t2w.first_hop + lookahead + 16, 16)
+    first = range(16, w.capture_prompt_tokens + 2 * s.first_hop + s.pre_lookahead + 16, 16)
+    first_causal = range(16, s.token_mel_ratio * (2 * s.first_hop + s.pre_lookahead) + 16, 16)
     more = tuple(batch_sizes(w.capture_streams)[1:])
-    flow, hift = [((1,), whole)], [((1,), frames)]
+    flow, hift, causal_hift = [((1,), whole)], [((1,), frames)], [((1,), causal)]
     if more:
         flow.append((more, first))
         hift.append((more, frames))
-    return CapturePlan(tuple(flow), tuple(hift))
+        causal_hift.append((more, first_causal))
+    return CapturePlan(tuple(flow), tuple(hift), tuple(causal_hift))
 
 
 def sine_prompt(sample_rate: int, seconds: float = 1.0) -> Audio:

@@ -153,3 +153,15 @@ def test_inductors_own_default_is_not_the_operators_choice(tmp_path, monkeypatch
 ])
 def test_compile_in_use(overrides, expected):
     assert compile_in_use(Config.model_validate(overrides)) is expected
+
+
+def test_capture_plan_covers_cosyvoice3s_causal_vocoder(tiny3_dir):
+    """CausalHiFT re-vocodes all the mel so far: at 1 stream every frame bucket up to 10 s of speech's mel."""
+    models = build_models(load_model_dir(tiny3_dir), device="cpu", with_llm=False)
+    config = Config()
+    plan = capture_plan(config)
+    hift = HiFTGraphs(models.hift, cache_samples=0, cuda_graphs=False)
+    buckets = [b for s, ls in plan.causal_hift for b in hift.buckets(s, ls)]
+    assert buckets[0] == (1, 16) and all(b[0] == 1 for b in buckets) and len(buckets) <= 26
+    for frames in range(2, 2 * (config.warmup.capture_speech_tokens + 3) + 1):
+        assert hift.bucket(1, frames) in buckets, frames

@@ -177,7 +177,8 @@ class Token2WavBatcher:
 
         def capture() -> int:
             new = 0
-            for graphs, pairs in ((self.runner.flow_graphs, plan.flow), (self.runner.hift_graphs, plan.hift),
+            hift_plan = plan.causal_hift if self.runner.causal_vocoder else plan.hift
+            for graphs, pairs in ((self.runner.flow_graphs, plan.flow), (self.runner.hift_graphs, hift_plan),
                                   (slot_calls, slot_plan)):
                 if graphs is None or not graphs.cuda_graphs:
                     continue
