@@ -230,7 +230,9 @@ class WarmupConfig(_Section):
     # torch.compile's portable cache artifacts (compile_cache.py): loaded before anything compiles, saved
     # after the warm-up, keyed by torch/CUDA/GPU/model/dtypes/graph config; a file for another key is ignored
     persistent_compile_cache: bool = True
-    # also keep Dynamo's traced frames (torch's experimental caching_precompile): a hit skips Dynamo's tracing
+    # also keep Dynamo's traced frames (torch's experimental caching_precompile): a hit skips Dynamo's tracing,
+    # but in torch 2.13 the first new trace after such a load fails ("Name '__builtins_dict___2' already
+    # exists in scope"; docs/performance.md): keep it off
     precompile: bool = False
 
 
