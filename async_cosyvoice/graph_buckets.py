@@ -3,8 +3,10 @@ HiFT (token2wav/hift_graphs.py) and the flow estimator's single steps (estimator
 
 A call of batch B (streams; estimator rows) and length L takes the smallest batch bucket >= B and
 L rounded up (`length_bucket`, steps of >= `min_step`: <= 12.5 % padding), for buckets of at most
-`max_bucket_size` batch x length (None: no limit) and at most `max_graphs` graphs; past that the
-caller runs it without a graph. A bucket's graph is captured on its first call (`warmup` captures
+`max_bucket_size` batch x length (None: no limit), at most `max_graphs` graphs, and only while the
+device keeps `GRAPH_MEMORY_RESERVE` of its memory free; past that the caller runs it without a graph
+(a graph's pool keeps its memory for good, and graphs of ever longer calls fragment it: CosyVoice3's
+vocoder, which re-renders all the mel so far, filled an 80 GB card with graphs at 64 streams). A bucket's graph is captured on its first call (`warmup` captures
 chosen ones ahead), and all of them share one memory pool, so each call's outputs are overwritten
 by the next replay: callers copy out what they keep. Off CUDA (`cuda_graphs=False`) the call runs
 on inputs padded to the bucket, without a graph: the tests use it to check that padding changes
@@ -28,6 +30,7 @@ from .startup import CAPTURES
 log = logging.getLogger(__name__)
 
 DEFAULT_STREAM_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_MEMORY_RESERVE = 0.2  # fraction of the device's memory that new graphs never take: eager calls need it
 Bucket = tuple[int, int]  # (batch, length)
 
 
@@ -46,6 +49,11 @@ def batch_bucket(batch: int, buckets: Sequence[int]) -> int | None:
         if b >= batch:
             return b
     return None
+
+
+def room_for_graphs(free_bytes: int, total_bytes: int, reserve: float = GRAPH_MEMORY_RESERVE) -> bool:
+    """Whether a new graph may be captured with `free_bytes` of the device's `total_bytes` free."""
+    return free_bytes >= reserve * total_bytes
 
 
 def batch_sizes(largest: int) -> list[int]:
@@ -90,6 +98,7 @@ class GraphBuckets:
         self.graphs: dict[Bucket, CapturedCall] = {}
         self._pool = None
         self._warned_full = False
+        self._warned_memory = False
         self.replays = 0    # calls that ran in a graph (or, off CUDA, padded to a bucket)
         self.fallbacks = 0  # calls past the buckets
 
@@ -99,12 +108,23 @@ class GraphBuckets:
         return bucket if bucket is not None and self._has_room(bucket) else None
 
     def _has_room(self, bucket: tuple[int, ...]) -> bool:
-        """Whether `bucket` has a graph or may capture one (fewer than max_graphs so far)."""
-        if self.cuda_graphs and bucket not in self.graphs and len(self.graphs) >= self.max_graphs:
+        """Whether `bucket` has a graph or may capture one (fewer than max_graphs so far, and the
+        device's memory reserve free)."""
+        if not self.cuda_graphs or bucket in self.graphs:
+            return True
+        if len(self.graphs) >= self.max_graphs:
             if not self._warned_full:
                 self._warned_full = True
                 log.warning("%d %s CUDA graphs captured (max_graphs): calls of new shapes run without a graph",
                             len(self.graphs), self.what)
+            return False
+        free, total = torch.cuda.mem_get_info(self.device)
+        if not room_for_graphs(free, total):
+            if not self._warned_memory:
+                self._warned_memory = True
+                log.warning("%d %s CUDA graphs captured; %.1f of %.1f GiB free is under the %.0f %% kept for calls "
+                            "without a graph: calls of new shapes run without one", len(self.graphs), self.what,
+                            free / 2**30, total / 2**30, 100 * GRAPH_MEMORY_RESERVE)
             return False
         return True
 

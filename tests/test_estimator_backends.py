@@ -26,7 +26,7 @@ from async_cosyvoice.estimator import MissingBackendError, TorchEstimator, make_
 from async_cosyvoice.estimator.base import INPUT_NAMES, OUTPUT_NAME, RowSplitEstimator
 from async_cosyvoice.estimator.onnx_export import cached_export, dummy_inputs, export_key
 from async_cosyvoice.estimator.torch_backend import CompiledEstimator
-from async_cosyvoice.graph_buckets import batch_bucket, length_bucket
+from async_cosyvoice.graph_buckets import GRAPH_MEMORY_RESERVE, batch_bucket, length_bucket, room_for_graphs
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 
@@ -246,3 +246,14 @@ def test_torch_compile_on_cpu(models):
     args = _inputs(module, 2, 80, seed=7)
     with torch.inference_mode():
         assert (est(*args, True) - module(*args, True)).abs().max() <= 1e-4
+
+
+def test_new_graphs_leave_the_memory_reserve_to_calls_without_one():
+    """A graph's pool keeps its memory for good, so new graphs stop while less than the reserve
+    (a fraction of the device's memory) is free; calls of new shapes then run without a graph."""
+    gib = 2**30
+    assert room_for_graphs(40 * gib, 80 * gib)
+    assert room_for_graphs(int(GRAPH_MEMORY_RESERVE * 80 * gib), 80 * gib)
+    assert not room_for_graphs(int(GRAPH_MEMORY_RESERVE * 80 * gib) - 1, 80 * gib)
+    assert not room_for_graphs(8 * 2**20, 80 * gib)  # what the CosyVoice3 run left free before its OOM
+    assert room_for_graphs(1 * gib, 80 * gib, reserve=0.0)
