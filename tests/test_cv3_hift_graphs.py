@@ -82,9 +82,11 @@ def test_bucket_padding_changes_nothing(hift, mels):
 
 
 def test_past_the_buckets_runs_eagerly(hift, mels):
-    small = HiFTGraphs(hift, cache_samples=0, cuda_graphs=False, max_bucket_frames=256)  # 8 x 80 > 256
+    small = HiFTGraphs(hift, cache_samples=0, cuda_graphs=False, max_bucket_frames=48)  # 1 x 80 > 48
     outs = hift.render(mels, FINAL, small.render_causal)
-    assert (small.replays, small.fallbacks) == (0, 1)
+    # one item per call: the five longer than 48 frames eagerly, the 13- and 1-frame ones in their
+    # buckets (the non-final 8 and 7 emit nothing and are not rendered)
+    assert (small.replays, small.fallbacks) == (2, 5)
     assert_each_item_alone(hift, mels, outs)
 
 
@@ -158,3 +160,18 @@ def test_captured_causal_graphs_match_the_eager_call(d):
     before = {k: id(v) for k, v in graphs.graphs.items()}
     hift.render(mels, final, graphs.render_causal)  # a replay: no new capture
     assert {k: id(v) for k, v in graphs.graphs.items()} == before
+
+
+def test_a_call_past_the_buckets_runs_in_bucket_sized_groups(hift, mels):
+    """Items of up to 80 frames with buckets of at most 160 items x frames: 2 x 80 = 160 fits, so
+    groups of 2 items, each padded to its own bucket, the same
+    floats as the one eager call over all of them; the output is as wide as the longest item."""
+    graphs = HiFTGraphs(hift, cache_samples=0, cuda_graphs=False, max_bucket_frames=160)
+    assert graphs.items_per_call(80) == 2 and graphs.items_per_call(161) == 1
+    eager = hift.render(mels, FINAL)
+    outs = hift.render(mels, FINAL, graphs.render_causal)
+    # the 7 items that emit (non-final 8 and 7 emit nothing) in ceil(7 / 2) calls, each in a bucket
+    assert (graphs.replays, graphs.fallbacks) == (4, 0)
+    assert_each_item_alone(hift, mels, outs)
+    for a, b in zip(outs, eager):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

@@ -81,12 +81,26 @@ class HiFTGraphs(GraphBuckets):
         if not isinstance(self.hift, CausalHiFT):
             raise TypeError("render_causal runs CosyVoice3's CausalHiFT; HiFT's graphs run through __call__")
         B, T = mel.shape[0], max(lengths)
+        group = self.items_per_call(T)
+        if B > group:  # a group per call: a bucket's graph, or an eager call of bounded memory
+            width = self.hift.upsample_scale * T
+            parts = [self.render_causal(mel[i:i + group], lengths[i:i + group]) for i in range(0, B, group)]
+            return torch.cat([torch.nn.functional.pad(p[:, :width], (0, width - min(width, p.shape[1])))
+                              for p in parts])
         inputs = self.hift.padded_inputs(mel[:, :, :T], lengths)
         bucket = self.bucket(B, T)
         if bucket is None:
             self.fallbacks += 1
             return self.hift.render_padded(**inputs)
         return self._run(bucket, inputs)[:B].clone()  # the next replay overwrites the output
+
+    def items_per_call(self, frames: int) -> int:
+        """How many items of `frames` one call takes: the largest stream bucket whose bucket fits
+        max_bucket_frames (at least 1). CausalHiFT re-renders all the mel so far, so 64 streams 10 s
+        in make one call of 64 x 1000 frames: split, it runs in graphs and its activations stay
+        bounded (an eager call that size ran an 80 GB card out of memory)."""
+        fits = [b for b in self.batch_buckets if self._bucket_of(b, frames) is not None]
+        return max(fits, default=1)
 
     # -- GraphBuckets
 
