@@ -35,6 +35,11 @@ class Overloaded(CosyVoiceError):
     """Too many concurrent requests. -> RESOURCE_EXHAUSTED"""
 
 
+class DeviceOutOfMemory(CosyVoiceError):
+    """The device ran out of memory in a batch this request was part of (its other requests fail
+    the same way; the server keeps serving). -> RESOURCE_EXHAUSTED, HTTP 503"""
+
+
 class TooLarge(CosyVoiceError):
     """A request whose memory bound (cost.py) is over limits.max_request_bytes or the whole
     limits.memory_budget_bytes: it can never run here, so retrying does not help. -> RESOURCE_EXHAUSTED / 413"""
@@ -102,6 +107,7 @@ ERROR_STATUSES: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (ClientTimeout, ErrorStatus("DEADLINE_EXCEEDED", 408, "invalid_request_error", "timeout")),
     (TooLarge, ErrorStatus("RESOURCE_EXHAUSTED", 413, "invalid_request_error", "request_too_large")),
     (Overloaded, ErrorStatus("RESOURCE_EXHAUSTED", 429, "rate_limit_error", "overloaded")),
+    (DeviceOutOfMemory, ErrorStatus("RESOURCE_EXHAUSTED", 503, "server_error", "device_out_of_memory")),
     (StoreUnavailable, ErrorStatus("UNAVAILABLE", 503, "server_error", "store_unavailable")),
     (NotReady, ErrorStatus("UNAVAILABLE", 503, "server_error", "unavailable")),
 )

@@ -24,6 +24,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from ..device_errors import device_error
 from ..errors import EngineDead, InvalidRequest, NotReady
 from ..models.llm import CosyVoice2LM
 from ..stage_stats import StageStats, timed_call
@@ -253,8 +254,9 @@ class NativeEngine:
             self.stage_stats.record(seconds, len(plan.sequences), ok)
             if not ok:  # fail the step's requests, keep serving the rest
                 log.error("speech-token engine step failed", exc_info=sampled)
+                error = device_error(sampled)
                 for seq in plan.sequences:
-                    self._finish(seq, sampled)
+                    self._finish(seq, error)
                 continue
             self._commit(plan, sampled)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from ..device_errors import device_error
 from ..graph_buckets import CapturePlan, batch_sizes
 from ..stage_stats import StageStats, timed_call
 from .offline import OfflineLimits, is_offline_job
@@ -161,7 +162,7 @@ class Token2WavBatcher:
         result, seconds, ok = await asyncio.get_running_loop().run_in_executor(self._executor, timed_call, fn, *args)
         self.stage_stats.record(seconds, items, ok)
         if not ok:
-            raise result
+            raise device_error(result)
         return result
 
     async def capture_graphs(self, plan: CapturePlan) -> int:
@@ -261,7 +262,7 @@ class Token2WavBatcher:
                     log.error("token2wav batch of %d failed", len(jobs), exc_info=outs)
                     for p in batch:
                         if not p.future.done():
-                            p.future.set_exception(outs)
+                            p.future.set_exception(device_error(outs))
                     continue
                 for p, out in zip(batch, outs):
                     if not p.future.done():
