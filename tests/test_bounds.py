@@ -169,14 +169,16 @@ def test_request_over_the_memory_bound_is_refused_before_it_runs_grpc(server):
         text="Hi.", sft=pb2.Sft(speaker_id="tiny_sft_spk"), options=options(FORCED_TOO_MANY)))))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_bytes" in err.details()
 
-    async def stream(stub, n):
+    async def stream(stub, n, refused=False):
         async def messages():
             yield pb2.StreamSynthesizeRequest(config=pb2.StreamConfig(sft=pb2.Sft(speaker_id="tiny_sft_spk"),
                                                                       options=options(n)))
+            if refused:  # the server answers the config alone; a write racing its status fails in the client
+                await asyncio.Event().wait()
             yield pb2.StreamSynthesizeRequest(text="Hi.")
             yield pb2.StreamSynthesizeRequest(end=pb2.StreamEnd())
         return await drain(stub.StreamSynthesize(messages()))
-    err = grpc_error(server, lambda stub: stream(stub, FORCED_TOO_MANY))
+    err = grpc_error(server, lambda stub: stream(stub, FORCED_TOO_MANY, refused=True))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_bytes" in err.details()
     chunks = grpc_call(server, lambda stub: stream(stub, FORCED_OK))  # within the bound: runs
     assert chunks[-1].is_final and sum(c.num_samples for c in chunks) > 0
