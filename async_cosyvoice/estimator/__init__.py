@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import INPUT_NAMES, OUTPUT_NAME, Estimator, MissingBackendError, RowSplitEstimator
-from .torch_backend import DEFAULT_BATCH_BUCKETS, CompiledEstimator, TorchEstimator
+from .torch_backend import DEFAULT_BATCH_BUCKETS, CompiledEstimator, TorchEstimator, compile_estimator
 
 if TYPE_CHECKING:
     from ..config import Token2WavConfig
     from ..models.flow.flow import Flow
 
 __all__ = ["KINDS", "Estimator", "MissingBackendError", "RowSplitEstimator", "TorchEstimator", "CompiledEstimator",
-           "make_estimator", "estimator_from_config", "INPUT_NAMES", "OUTPUT_NAME"]
+           "compile_estimator", "make_estimator", "estimator_from_config", "INPUT_NAMES", "OUTPUT_NAME"]
 
 KINDS = ("torch", "compiled", "onnxruntime", "tensorrt")
 
@@ -33,7 +33,8 @@ def make_estimator(kind: str, flow: "Flow", device: torch.device | str | None = 
                    dtype: torch.dtype | None = None, *, max_batch: int = 64, opt_batch: int | None = None,
                    max_frames: int = 3000, opt_frames: int = 500, cache_dir: str | Path | None = None,
                    flow_pt: str | Path | None = None, chunked: bool = True, threads: int | None = None,
-                   exporter: str = "legacy", compile: bool = True, cuda_graphs: bool | None = None) -> Estimator:
+                   exporter: str = "legacy", compile: bool = True, cuda_graphs: bool | None = None,
+                   compile_regions: bool = False) -> Estimator:
     """An estimator backend for `flow` (already on its device and in its dtype).
 
     max_batch / opt_batch: estimator rows (2 per stream: conditional + unconditional) that graph
@@ -43,7 +44,8 @@ def make_estimator(kind: str, flow: "Flow", device: torch.device | str | None = 
     plans are kept (default files.cache_root()). flow_pt: the flow.pt path, hashed
     for the cache key (else the estimator's tensors are). chunked: also build the chunked-attention
     graph (onnxruntime / tensorrt), else streaming rows run on PyTorch. threads: onnxruntime
-    intra-op threads. compile / cuda_graphs: for "compiled" (cuda_graphs None: on CUDA devices).
+    intra-op threads. compile / cuda_graphs / compile_regions: for "compiled" (cuda_graphs None:
+    on CUDA devices; compile_regions: compile the repeated blocks, not the whole module).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown estimator backend {kind!r}; choose one of {', '.join(KINDS)}")
@@ -58,7 +60,8 @@ def make_estimator(kind: str, flow: "Flow", device: torch.device | str | None = 
         return eager
     if kind == "compiled":
         buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max(max_batch, 2),)
-        return CompiledEstimator(module, compile=compile, cuda_graphs=cuda_graphs, batch_buckets=buckets)
+        return CompiledEstimator(module, compile=compile, cuda_graphs=cuda_graphs, batch_buckets=buckets,
+                                 compile_regions=compile_regions)
 
     from .onnx_export import cached_export
 
@@ -89,4 +92,4 @@ def estimator_from_config(cfg: "Token2WavConfig", flow: "Flow", flow_pt: str | P
     """`make_estimator` with the token2wav config's choices (the flow already on its device / dtype)."""
     return make_estimator(cfg.estimator, flow, max_batch=2 * cfg.max_batch, max_frames=cfg.estimator_max_frames,
                           opt_frames=cfg.estimator_opt_frames, cache_dir=cfg.estimator_cache_dir, flow_pt=flow_pt,
-                          chunked=cfg.estimator_chunked_graph)
+                          chunked=cfg.estimator_chunked_graph, compile_regions=cfg.compile_regions)

@@ -19,10 +19,13 @@ Graphs are captured the first time a bucket is used (`warmup()` captures chosen 
 time). A call past the buckets (a larger batch, or `max_graphs` captured) runs the compiled module
 without a graph. On a device without CUDA, or with `cuda_graphs=False`, the module is only
 compiled (or run eagerly with `compile=False`), padded to the buckets if `pad_to_buckets`; a
-compile failure falls back to eager with a warning.
+compile failure falls back to eager with a warning. `compile_regions` compiles the estimator's
+repeated blocks instead of the whole module (`compile_estimator`); the graphs still wrap the
+whole call.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Sequence
 
@@ -51,6 +54,36 @@ class TorchEstimator:
     capturable = __call__  # what a caller capturing a larger CUDA graph runs (token2wav/flow_graphs.py)
 
 
+def compile_estimator(module: nn.Module, *, regions: bool = False, options: dict | None = None) -> nn.Module:
+    """torch.compile of an estimator with dynamic shapes (one program serves every bucket, no
+    recompile per bucket).
+
+    Whole (default): one program over the module; Dynamo traces every block instance, so the
+    trace grows with the block count (the full CosyVoice2 estimator: 56 transformer blocks and
+    14 resnets). `regions`: each instance of the module's `repeated_blocks` classes compiled on
+    its own, the glue between them eager (PyTorch's regional compilation recipe): the block's
+    weights are inputs of its program, so Dynamo traces a block class once and every instance of
+    it reuses that program (a class seen with differently shaped weights or inputs, like the
+    resnets' input channels, gets one program per shape). The module is left as it is: the
+    regional one is a shallow copy sharing its weights, so eager callers of the module stay eager.
+    Whether the whole-module program's kernels are faster on a GPU is not measured yet."""
+    options = options or {}
+    if not regions:
+        return torch.compile(module, dynamic=True, **options)
+    blocks = getattr(module, "repeated_blocks", ())
+    if not blocks:
+        raise ValueError(f"{type(module).__name__} names no repeated_blocks to compile regionally")
+
+    def regional(m: nn.Module) -> nn.Module:
+        if isinstance(m, blocks):
+            return torch.compile(m, dynamic=True, **options)
+        clone = copy.copy(m)  # the same parameters and buffers; only the child modules are replaced
+        clone._modules = {name: None if child is None else regional(child) for name, child in m._modules.items()}
+        return clone
+
+    return regional(module)
+
+
 class CompiledEstimator(GraphBuckets):
     """torch.compile'd estimator with CUDA graphs per (batch, length) bucket. See the module docstring."""
     name = "compiled"
@@ -59,19 +92,21 @@ class CompiledEstimator(GraphBuckets):
 
     def __init__(self, module: nn.Module, *, compile: bool = True, cuda_graphs: bool | None = None,
                  pad_to_buckets: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-                 min_length_step: int = 64, max_graphs: int = 256, compile_options: dict | None = None):
+                 min_length_step: int = 64, max_graphs: int = 256, compile_options: dict | None = None,
+                 compile_regions: bool = False):
         param = next(module.parameters())
         super().__init__(param.device, cuda_graphs=cuda_graphs, batch_buckets=batch_buckets, min_step=min_length_step,
                          max_bucket_size=None, max_graphs=max_graphs)
         self.module, self.dtype = module, param.dtype
         self.pad_to_buckets = self.cuda_graphs if pad_to_buckets is None else pad_to_buckets
         self._warned_batch = False
-        # dynamic shapes: one compiled program serves every bucket (no recompile per bucket)
-        self._module_fn = torch.compile(module, dynamic=True, **(compile_options or {})) if compile else module
+        self._module_fn = compile_estimator(module, regions=compile_regions, options=compile_options) \
+            if compile else module
         self._compiled = compile
         if not self.cuda_graphs:
             log.info("compiled estimator on %s: %s, no CUDA graphs%s", self.device,
-                     "torch.compile" if compile else "eager", " (CUDA graphs need a CUDA device)"
+                     ("torch.compile of its blocks" if compile_regions else "torch.compile") if compile else "eager",
+                     " (CUDA graphs need a CUDA device)"
                      if self.device.type != "cuda" else "")
 
     def _call_module(self, **inputs: Tensor) -> Tensor:

@@ -168,6 +168,9 @@ class DiTBlock(nn.Module):
 
 
 class DiT(nn.Module):
+    # what regional compilation compiles (estimator/torch_backend.compile_estimator)
+    repeated_blocks = (DiTBlock,)
+
     def __init__(self, dims: DiTDims):
         super().__init__()
         if dims.num_decoding_left_chunks >= 0:

@@ -145,6 +145,9 @@ class TransformerBlock(nn.Module):
 
 
 class CausalConditionalDecoder(nn.Module):
+    # what regional compilation compiles (estimator/torch_backend.compile_estimator): one program per block class
+    repeated_blocks = (TransformerBlock, CausalResnetBlock1D)
+
     def __init__(self, dims: EstimatorDims):
         super().__init__()
         if len(dims.channels) != 1:
