@@ -12,9 +12,11 @@ the first call's seconds (Dynamo + AOTAutograd + inductor, or cache lookups), th
 Dynamo's compiled programs and the largest difference from the eager module.
 
     PYTHONPATH=. python benchmarks/compile_time_bench.py [--model cosyvoice2] [--modes whole regional] [--batch 2] [--frames 150]
+        [--device cpu] [--dtype float32] [--calls 5] [--threads 1]
 
 CPU by default (--device cuda on a GPU machine: there also the CUDA graph of the bucket is
-captured in the first call). Threads: --threads for torch, TORCHINDUCTOR_COMPILE_THREADS=1.
+captured in the first call). Threads: --threads for torch; on the CPU one inductor compile worker
+(TORCHINDUCTOR_COMPILE_THREADS=1).
 """
 from __future__ import annotations
 
@@ -38,16 +40,18 @@ from async_cosyvoice.models.flow.estimator import CausalConditionalDecoder
 MODELS = {"cosyvoice2": lambda: CausalConditionalDecoder(EstimatorDims()), "cosyvoice3": lambda: DiT(DiTDims())}
 
 
-def measure(model: str, mode: str, batch: int, frames: int, device: str, calls: int = 5) -> dict:
+def measure(model: str, mode: str, batch: int, frames: int, device: str, calls: int = 5,
+            dtype: torch.dtype = torch.float32) -> dict:
     """One process's measurement: build, compile (the first call), then the median of `calls` more."""
     torch.manual_seed(0)
-    module = MODELS[model]().eval().to(device)
+    module = MODELS[model]().eval().to(device, dtype)
     est = CompiledEstimator(module, compile_regions=mode == "regional", cuda_graphs=device == "cuda",
                             pad_to_buckets=True, batch_buckets=(batch,))
     g = torch.Generator(device).manual_seed(1)
-    x, mu, cond = (torch.randn(batch, 80, frames, generator=g, device=device) for _ in range(3))
-    args = (x, torch.ones(batch, 1, frames, device=device), mu, torch.rand(batch, generator=g, device=device),
-            torch.randn(batch, 80, generator=g, device=device), cond)
+    x, mu, cond = (torch.randn(batch, 80, frames, generator=g, device=device, dtype=dtype) for _ in range(3))
+    args = (x, torch.ones(batch, 1, frames, device=device, dtype=dtype), mu,
+            torch.rand(batch, generator=g, device=device, dtype=dtype),
+            torch.randn(batch, 80, generator=g, device=device, dtype=dtype), cond)
     seconds = []
     with torch.inference_mode():
         for _ in range(1 + calls):
@@ -64,10 +68,12 @@ def measure(model: str, mode: str, batch: int, frames: int, device: str, calls: 
 
 
 def child(args: argparse.Namespace, mode: str, cache_dir: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCHINDUCTOR_COMPILE_THREADS="1")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    if args.device == "cpu":  # a shared CPU box: one compile worker (a GPU run compiles as the server does)
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     cmd = [sys.executable, __file__, "--child", mode, "--model", args.model, "--batch", str(args.batch),
            "--frames", str(args.frames), "--device", args.device, "--threads", str(args.threads),
-           "--calls", str(args.calls)]
+           "--calls", str(args.calls), "--dtype", args.dtype]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{mode} run failed:\n{done.stderr[-3000:]}")
@@ -83,14 +89,17 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=150)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="the estimator's dtype (configs/gpu.yaml runs the flow in float16)")
     p.add_argument("--calls", type=int, default=5, help="calls after the first, timed (median)")
     p.add_argument("--child", choices=("whole", "regional"), help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
-        print(json.dumps(measure(args.model, args.child, args.batch, args.frames, args.device, args.calls)))
+        print(json.dumps(measure(args.model, args.child, args.batch, args.frames, args.device, args.calls,
+                                 getattr(torch, args.dtype))))
         return
-    print(f"{args.model} estimator on {args.device}, batch {args.batch} x {args.frames} frames, "
+    print(f"{args.model} estimator on {args.device} in {args.dtype}, batch {args.batch} x {args.frames} frames, "
           f"torch {torch.__version__}, {args.threads} thread(s)")
     print(f"{'mode':<9} {'cache':<5} {'first call s':>12} {'then s/call':>11} {'programs':>8} {'max |err|':>10}")
     for mode in args.modes:
