@@ -72,11 +72,13 @@ def test_regional_estimator_matches_eager_and_traces_each_block_class_once(model
     assert not any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules())
 
 
-def test_regional_compile_replaces_only_the_repeated_blocks(models):
+def test_regional_compile_replaces_only_the_repeated_blocks(models, caplog):
     """The regional module is a shallow copy: its blocks are compiled wrappers of the same blocks,
     everything else shares the module's weights (nothing compiles until the first call)."""
     module = models.flow.decoder.estimator
-    regional = compile_estimator(module, regions=True)
+    with caplog.at_level("INFO", logger="async_cosyvoice.estimator.torch_backend"):
+        regional = compile_estimator(module, regions=True)
+    assert "torch.compile of its 8 repeated blocks (TransformerBlock, CausalResnetBlock1D)" in caplog.text
     wrapped = [m for m in regional.modules() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
     blocks = [m for m in module.modules() if isinstance(m, module.repeated_blocks)]
     assert [w._orig_mod for w in wrapped] == blocks

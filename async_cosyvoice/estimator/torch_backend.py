@@ -81,6 +81,9 @@ def compile_estimator(module: nn.Module, *, regions: bool = False, options: dict
         clone._modules = {name: None if child is None else regional(child) for name, child in m._modules.items()}
         return clone
 
+    count = sum(isinstance(m, blocks) for m in module.modules())
+    log.info("flow estimator: torch.compile of its %d repeated blocks (%s), the rest eager", count,
+             ", ".join(b.__name__ for b in blocks))
     return regional(module)
 
 
