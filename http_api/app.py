@@ -30,7 +30,7 @@ class EarlyAnswer:
 
     def __init__(self, scope, receive, send):
         self._scope, self._receive, self._send = scope, receive, send
-        self.app_started = False  # the app sent its http.response.start
+        self.app_started = False  # the app sent its http.response.start (its first send)
         self.answered = False     # the guard answered instead
 
     async def app_send(self, message) -> None:
@@ -62,7 +62,8 @@ class BodyLimit:
         early = EarlyAnswer(scope, receive, send)
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await early.answer(self._too_large())
+            await early.answer(self._too_large())
+            return
         seen = 0
 
         async def limited_receive():
