@@ -9,7 +9,7 @@ from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from . import errors, speech, voices, websocket
@@ -19,9 +19,39 @@ from .errors import TIMEOUT, TOO_LARGE, error_body
 STATIC = Path(__file__).parent / "static"
 
 
+DISCONNECT = {"type": "http.disconnect"}
+
+
+class EarlyAnswer:
+    """One request's `send`, shared by a body guard (BodyLimit, BodyDeadline) and the app behind
+    it: the guard may answer in the app's place (`answer`) only while the app's own response has
+    not started; once the guard has answered, the app's later sends are dropped (the guard's
+    `receive` then tells the app the client is gone)."""
+
+    def __init__(self, scope, receive, send):
+        self._scope, self._receive, self._send = scope, receive, send
+        self.app_started = False  # the app sent its http.response.start (its first send)
+        self.answered = False     # the guard answered instead
+
+    async def app_send(self, message) -> None:
+        if self.answered:
+            return  # the guard's answer went out instead
+        self.app_started = True
+        await self._send(message)
+
+    async def answer(self, response: Response) -> bool:
+        """Send `response` unless the app's own has started; whether it was sent."""
+        if self.app_started:
+            return False
+        self.answered = True
+        await response(self._scope, self._receive, self._send)
+        return True
+
+
 class BodyLimit:
     """413 for request bodies over `limit` bytes, declared (content-length) or counted as they stream
-    in; in the second case the 413 goes out at once and the app sees the client as gone."""
+    in; in the second case the 413 goes out at once and the app sees the client as gone. A body
+    that grows past the limit after the app has answered is the app's (it is answered already)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -29,42 +59,34 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        early = EarlyAnswer(scope, receive, send)
         declared = dict(scope.get("headers", ())).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._reject(scope, receive, send)
+            await early.answer(self._too_large())
+            return
         seen = 0
-        rejected = started = False
 
         async def limited_receive():
-            nonlocal seen, rejected
-            if rejected:
-                return {"type": "http.disconnect"}
+            nonlocal seen
+            if early.answered:
+                return DISCONNECT
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit and not started:
-                rejected = True
-                await self._reject(scope, receive, send)
-                return {"type": "http.disconnect"}
+            if seen > self.limit and await early.answer(self._too_large()):
+                return DISCONNECT
             return message
 
-        async def guarded_send(message):
-            nonlocal started
-            if rejected:
-                return  # the 413 went out already
-            started = True
-            await send(message)
+        await self.app(scope, limited_receive, early.app_send)
 
-        await self.app(scope, limited_receive, guarded_send)
-
-    async def _reject(self, scope, receive, send) -> None:
+    def _too_large(self) -> JSONResponse:
         message = f"request body over {self.limit} bytes (limits.max_message_bytes)"
-        await JSONResponse(error_body(TOO_LARGE, message), status_code=413)(scope, receive, send)
+        return JSONResponse(error_body(TOO_LARGE, message), status_code=413)
 
 
 class BodyDeadline:
     """408 when a request body has not arrived in full within `seconds` of the request's start
     (a body shorter than its Content-Length held the request forever); the connection is closed.
-    Once the body is complete, `receive` (which then waits for a disconnect) is not timed."""
+    Once the body is complete, or the app has started its response, `receive` is not timed."""
 
     def __init__(self, app, seconds: float):
         self.app, self.seconds = app, seconds
@@ -74,35 +96,36 @@ class BodyDeadline:
             return await self.app(scope, receive, send)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.seconds
-        body_done = timed_out = started = False
+        early = EarlyAnswer(scope, receive, send)
+        body_done = False
 
         async def timed_receive():
-            nonlocal body_done, timed_out
-            if body_done:
+            nonlocal body_done
+            if early.answered:
+                return DISCONNECT
+            # Once the app has answered, the deadline has nothing left to answer, and under
+            # uvicorn (ASGI 2.3) `receive` is then how Starlette's streaming and file responses
+            # wait for the client to leave: a timeout here would end a good response midway. So the
+            # app's response runs its course; uvicorn ends a connection whose request body never
+            # completed after that response (connection.py's head deadline). No route reads its
+            # body after answering (FastAPI reads it before the route runs).
+            if body_done or early.app_started:
                 return await receive()
-            if timed_out:
-                return {"type": "http.disconnect"}
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                timed_out = True
-                if not started:
-                    message = (f"the request body did not arrive in full within {self.seconds:g} s "
-                               "(limits.body_read_seconds)")
-                    await JSONResponse(error_body(TIMEOUT, message), status_code=TIMEOUT.http,
-                                       headers={"connection": "close"})(scope, receive, send)
-                return {"type": "http.disconnect"}
+                if await early.answer(self._timeout()):
+                    return DISCONNECT
+                return await receive()  # the app answered while this receive waited: as above
             body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
-        async def guarded_send(message):
-            nonlocal started
-            if timed_out:
-                return  # the 408 went out already
-            started = True
-            await send(message)
+        await self.app(scope, timed_receive, early.app_send)
 
-        await self.app(scope, timed_receive, guarded_send)
+    def _timeout(self) -> JSONResponse:
+        message = (f"the request body did not arrive in full within {self.seconds:g} s "
+                   "(limits.body_read_seconds)")
+        return JSONResponse(error_body(TIMEOUT, message), status_code=TIMEOUT.http, headers={"connection": "close"})
 
 
 class RequestId:

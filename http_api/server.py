@@ -46,7 +46,8 @@ class HttpFrontDoor:
                 tls.update(ssl_ca_certs=str(server.tls_client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
         limits = backend.config.limits
         # one log line per request is ours (logger http_api); uvicorn logs only warnings and errors
-        self._config = uvicorn.Config(create_app(backend), host=host, port=port, lifespan="off", access_log=False,
+        self.app = create_app(backend)  # the ASGI app served (FastAPI, with the middlewares of app.py)
+        self._config = uvicorn.Config(self.app, host=host, port=port, lifespan="off", access_log=False,
                                       log_config=None, log_level="warning", ws="websockets-sansio", ws_max_size=1 << 20,
                                       timeout_graceful_shutdown=1,
                                       http=with_head_deadline(JsonErrorsProtocol, limits.first_message_seconds),

@@ -36,10 +36,11 @@ except ImportError as _err:  # the only reason to skip
                 allow_module_level=True)
 
 from scipy.stats import chi2
+from test_device_errors import H100_MESSAGE
 
 from async_cosyvoice.engine.base import GenerationRequest
 from async_cosyvoice.engine.vllm_backend import VLLMEngine, VLLMEngineArgs
-from async_cosyvoice.errors import Unsupported
+from async_cosyvoice.errors import DeviceOutOfMemory, Unsupported, status_of
 from async_cosyvoice.model_dir import LLM_FILE, load_model_dir, load_strict
 from async_cosyvoice.models.dims import EOS_TOKEN, STOP_TOKENS, RASParams
 from async_cosyvoice.models.llm import CosyVoice2LM
@@ -586,3 +587,73 @@ def test_bistream_text_errors_and_cancel(engine, model_inputs, runner):
 
     idle = runner.run(scenario())
     assert (idle.running, idle.waiting, idle.kv_usage) == (0, 0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# device out of memory: the error built as torch raises it on CUDA (CPU never raises it)
+# ---------------------------------------------------------------------------------------------
+
+def _assert_device_out_of_memory(error: BaseException, oom: BaseException) -> None:
+    assert isinstance(error, DeviceOutOfMemory), repr(error)
+    chain, cause = [], error
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__
+    assert oom in chain and "CUDA out of memory" in str(error)
+    status = status_of(error)
+    assert (status.grpc, status.http, status.code) == ("RESOURCE_EXHAUSTED", 503, "device_out_of_memory")
+
+
+def test_out_of_memory_on_a_requests_path_is_device_out_of_memory(engine, runner):
+    """An error on a running request's path in this process reaches it from AsyncLLM as
+    EngineGenerateError (vLLM: recoverable) with the error as its cause; a CUDA out-of-memory cause
+    becomes DeviceOutOfMemory, and the engine serves the next request. The error enters where
+    vLLM's output handler puts its own failures (OutputProcessor.propagate_error); everything from
+    there to the request (AsyncLLM's wrapping and abort, our mapping) is the real code."""
+    oom = torch.OutOfMemoryError(H100_MESSAGE)
+
+    async def scenario():
+        req = crafted_request("oom-path", RASParams(), 0, 400, ignore_stop_tokens=True)
+        got: list[int] = []
+
+        async def consume():
+            async for ids in engine.generate(req):
+                got.extend(ids)
+
+        task = asyncio.create_task(consume())
+        while len(got) < 5:
+            assert not task.done()
+            await asyncio.sleep(0.005)
+        engine.llm.output_processor.propagate_error(oom)
+        with pytest.raises(DeviceOutOfMemory) as info:
+            await asyncio.wait_for(task, 10)
+        await _wait_idle(engine)
+        after = await collect(engine, crafted_request("oom-after", RASParams(), 0, 20, ignore_stop_tokens=True))
+        return info.value, len(got), after
+
+    error, n, after = runner.run(scenario())
+    _assert_device_out_of_memory(error, oom)
+    assert n < 400 and len(after) == 20  # cut short; the engine lives on
+
+
+def test_out_of_memory_in_a_bistream_text_source_is_device_out_of_memory(engine, model_inputs, runner):
+    """vLLM hands an input stream's error on unwrapped: a text source that runs out of device
+    memory (an LLM writing the text in this process, on the same GPU) fails its request with
+    DeviceOutOfMemory, not INTERNAL."""
+    from async_cosyvoice.engine.base import BistreamRequest
+    text = [int(x) for x in model_inputs["zero_shot/text"].reshape(-1)]
+    prompt = tuple(int(x) for x in model_inputs["zero_shot/prompt_text"].reshape(-1))
+    oom = torch.OutOfMemoryError(H100_MESSAGE)
+
+    async def scenario():
+        async def text_source():
+            yield text[:8]
+            await asyncio.sleep(0.05)
+            raise oom
+        with pytest.raises(DeviceOutOfMemory) as info:
+            async for _ in engine.generate_bistream(BistreamRequest("b-oom", prompt, (), max_tokens=50), text_source()):
+                pass
+        await _wait_idle(engine)
+        return info.value
+
+    _assert_device_out_of_memory(runner.run(scenario()), oom)

@@ -12,6 +12,9 @@
   and are dropped from the output; cancelling the consumer
   (or `abort`) aborts the request inside vLLM.
 - `stats()` reads the scheduler stats vLLM reports to a stat logger we install.
+- vLLM's errors reach a request as ours (`_raise_for_request`): a refusal is InvalidRequest, a dead
+  EngineCore (also one a CUDA out-of-memory error in its step killed) EngineDead, an out-of-memory
+  error on the request's own path DeviceOutOfMemory.
 
 Importing this module does not import vLLM; `start()` does, and raises `Unsupported` with the
 install hint when it is missing.
@@ -24,10 +27,11 @@ import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal, Mapping, NoReturn, Sequence
 
 import torch
 
+from ..device_errors import device_error
 from ..errors import EngineDead, InvalidRequest, NotReady, Unsupported
 from ..model_dir import ModelDir, load_model_dir
 from ..models.dims import Qwen2Dims
@@ -241,9 +245,6 @@ class VLLMEngine:
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         llm = self.llm
         if llm is None:
             raise NotReady("the vLLM engine is not started")
@@ -255,11 +256,8 @@ class VLLMEngine:
                 ids = [t for t in out.outputs[0].token_ids if not self.ids.is_stop(t)]
                 if ids:
                     yield ids
-        except VLLMClientError as err:
-            raise InvalidRequest(f"vLLM rejected request {request.request_id}: {err}") from err
-        except EngineDeadError as err:
-            self._died(f"vLLM reported its engine dead ({err})")
-            raise EngineDead(f"the speech-token engine died: {self._death.result() if self._death else err}") from err
+        except Exception as err:  # noqa: BLE001 - re-raised, as what the request gets for it
+            self._raise_for_request(err, request.request_id)
         finally:
             # Closing vLLM's generator aborts the request if it is still running (consumer
             # cancelled or stopped early); a finished stream closes as a no-op.
@@ -278,9 +276,7 @@ class VLLMEngine:
         the next chunk; the next chunk is sent when the schedule has one.
         """
         from vllm.engine.protocol import StreamingInput
-        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError
 
         from .ras_processor import ras_extra_args
 
@@ -373,14 +369,39 @@ class VLLMEngine:
                         f"bistream request {request.request_id!r} reached max_model_len "
                         f"({self.args.max_model_len}) positions; send shorter texts per request or raise "
                         "engine max_model_len")
-        except VLLMClientError as err:
-            raise InvalidRequest(f"vLLM rejected request {request.request_id}: {err}") from err
-        except EngineDeadError as err:
-            raise NotReady(f"the vLLM engine died ({err}); restart the service") from err
+        except Exception as err:  # noqa: BLE001 - re-raised, as what the request gets for it
+            self._raise_for_request(err, request.request_id)
         finally:
             feeder.cancel()
             await asyncio.gather(feeder, return_exceptions=True)
             await stream.aclose()  # aborts the request inside vLLM if it still runs
+
+    def _raise_for_request(self, error: Exception, request_id: str) -> NoReturn:
+        """Raise what a request gets for `error`, raised while it iterated vLLM's `generate`:
+        - VLLMClientError (vLLM refused the request) -> InvalidRequest.
+        - EngineDeadError -> EngineDead (UNAVAILABLE). A CUDA out-of-memory error in a vLLM step
+          ends here too, not in DeviceOutOfMemory: vLLM V1 does not recover a failed step, its
+          EngineCore logs the error and exits, and every request gets EngineDeadError (the cause
+          stays in EngineCore's log). This instance cannot serve any more (the server exits for its
+          supervisor to restart it), while DeviceOutOfMemory promises a server that keeps serving.
+        - EngineGenerateError (vLLM: "recoverable", a failure on the request's own path in this
+          process, its cause attached) and errors vLLM hands on unwrapped (an input stream's):
+          a CUDA out-of-memory cause -> DeviceOutOfMemory (RESOURCE_EXHAUSTED / 503; the engine
+          lives on), anything else as it is (INTERNAL unless it is one of ours)."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        if isinstance(error, VLLMClientError):
+            raise InvalidRequest(f"vLLM rejected request {request_id}: {error}") from error
+        if isinstance(error, EngineDeadError):
+            self._died(f"vLLM reported its engine dead ({error})")
+            raise EngineDead(f"the speech-token engine died: {self._death.result() if self._death else error}") from error
+        wrapped = isinstance(error, EngineGenerateError) and error.__cause__ is not None
+        cause = error.__cause__ if wrapped else error
+        mapped = device_error(cause)
+        if mapped is cause:  # not a device error: the request fails with vLLM's error as it came
+            raise error
+        raise mapped from error
 
     async def abort(self, request_id: str) -> None:
         if self.llm is not None:
