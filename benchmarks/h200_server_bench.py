@@ -51,8 +51,8 @@ A wall-clock budget (--budget-s, default 560 s) keeps the run inside one 10-minu
 phases that would start too late are skipped and listed under "skipped"; a failing phase is
 recorded and the next one runs. Writes into --out (default $OUT or runs/h200-server):
 server_results.json, server_table.txt, server-latency.png, server-throughput.png,
-server-first_chunk_hist.png, server-open_loop.png, server_log_tail.txt, server_startup_lines.txt
-(and restart_log_tail.txt, restart_startup_lines.txt).
+server-first_chunk_hist.png, server-open_loop.png, server_log_tail.txt, server_startup_lines.txt,
+server_error_lines.txt where the log has errors (and the restart's restart_* files of the same).
 """
 from __future__ import annotations
 
@@ -297,6 +297,15 @@ class ServerProcess:
 
 # the server log's start-up lines (what was captured, the phase table, the compile cache), kept beside the tail
 STARTUP_LINE = re.compile(r"warm-up|start-up|compile cache|torch\.compile|CUDA graph|^  \S.*\d s$|SERVING")
+# and its errors: a level's failed requests leave only a count in the results, the cause is here
+ERROR_LINE = re.compile(r" (ERROR|CRITICAL) |Traceback|Error: ")
+
+
+def error_lines(lines: list[str], limit: int = 300) -> list[str]:
+    """The log's error lines, each with the line after it (a traceback's first frame, or the next
+    message), numbered from 1; at most `limit`."""
+    hit = [bool(ERROR_LINE.search(line)) for line in lines]
+    return [f"{i + 1}: {line}" for i, line in enumerate(lines) if hit[i] or (i and hit[i - 1])][:limit]
 
 
 def run_server(config: Config, workdir: Path, log_path: Path, measure, results: dict,
@@ -304,7 +313,9 @@ def run_server(config: Config, workdir: Path, log_path: Path, measure, results: 
     """Start a server from `config`, run the coroutine `measure(server)` against it, stop it. A failure
     (e.g. the server never came up) is recorded in results["phase_errors"][error_key], so what was
     measured is kept. Returns the server's exit status and the last 200 lines of its log; its start-up
-    lines are kept in <error_key>_startup_lines.txt beside it, the log file itself is removed (it can be large)."""
+    lines are kept in <error_key>_startup_lines.txt beside it and its first 300 error lines (with the
+    line after each) in <error_key>_error_lines.txt when it has any; the log file itself is removed (it
+    can be large)."""
     server = ServerProcess(config, workdir, log_path)
     server.start()
     try:
@@ -316,8 +327,11 @@ def run_server(config: Config, workdir: Path, log_path: Path, measure, results: 
         returncode = server.stop()
         tail = server.log_tail(200)
         with contextlib.suppress(OSError):
-            startup = [line for line in log_path.read_text(errors="replace").splitlines() if STARTUP_LINE.search(line)]
+            lines = log_path.read_text(errors="replace").splitlines()
+            startup = [line for line in lines if STARTUP_LINE.search(line)]
             log_path.with_name(f"{error_key}_startup_lines.txt").write_text("\n".join(startup[:120]) + "\n")
+            if errors := error_lines(lines):
+                log_path.with_name(f"{error_key}_error_lines.txt").write_text("\n".join(errors) + "\n")
         with contextlib.suppress(OSError):
             log_path.unlink()
     return returncode, tail

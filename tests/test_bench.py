@@ -381,6 +381,19 @@ def test_h200_server_script_quick_on_cpu(tmp_path):
     assert {"server-latency.png", "server-first_chunk_hist.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
+def test_the_server_bench_keeps_the_logs_error_lines():
+    """A level's failed requests leave only a count in the results: the cause is kept from the log."""
+    script = _load_script("h200_server_bench")
+    log = ["2026-11-27 21:20:33,842 INFO async_cosyvoice.graph_buckets: capturing the HiFT CUDA graph",
+           "2026-11-27 21:20:35,001 ERROR async_cosyvoice.token2wav.batcher: token2wav batch of 64 failed",
+           "Traceback (most recent call last):",
+           '  File "runner.py", line 1, in run_many',
+           "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+           "2026-11-27 21:20:36,000 INFO grpc_async.server: request done"]
+    assert script.error_lines(log) == [f"{i + 1}: {log[i]}" for i in (1, 2, 3, 4, 5)]
+    assert script.error_lines(log[:1]) == [] and len(script.error_lines(log[1:2] * 500)) == 300
+
+
 @pytest.mark.slow
 def test_h200_server_script_quick_on_cpu_cosyvoice3(tmp_path):
     """--preset cosyvoice3-0.5b --quick runs CosyVoice3's tiny twin through a real server: the speaker
