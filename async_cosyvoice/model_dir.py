@@ -6,8 +6,10 @@
 - The yaml is parsed by the tag-aware loader of `recipe.py` (`!new:` / `!name:` / `!apply:` kept as
   `Tagged` data, `!ref` resolved); the typed `ModelDims` come from it plus `CosyVoice-BlankEN/config.json`
   (backbone shape) through the tables of `dims_map.py`.
-- State dicts are loaded with `torch.load(weights_only=True)` and normalized to the key names our modules
-  use: the Qwen2 backbone moves to `backbone.*`, HiFT weight norm is folded into plain weights.
+- State dicts are loaded with `torch.load(weights_only=True, mmap=True)` and normalized to the key names our
+  modules use: the Qwen2 backbone moves to `backbone.*`, HiFT weight norm is folded into plain weights.
+- Modules are built on the meta device (no random init) and the file's tensors assigned to them
+  (`load_strict`, `build_models`): a weight is read from the file once, by its move to the dtype and device.
 - Every problem raises `ModelDirError` naming the file and what was expected.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from async_cosyvoice.models.cosyvoice3.flow import DiTFlow
 from async_cosyvoice.models.cosyvoice3.hift import F0_PREDICTOR_PREFIX, CausalHiFT
 from async_cosyvoice.models.cosyvoice3.nsf_noise import FixedNSFNoise
 from async_cosyvoice.models.dims import DiTFlowDims, HiFTDims, ModelDims, Qwen2Dims
+from async_cosyvoice.models.empty_init import empty_init, finish_empty_init
 from async_cosyvoice.models.flow.flow import Flow
 from async_cosyvoice.models.hift import HiFT
 from async_cosyvoice.models.llm import LM_CLASSES
@@ -317,7 +320,9 @@ def load_model_dir(path: str | Path) -> ModelDir:
 
 def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source_file: str) -> None:
     """`module.load_state_dict(strict=True)`, but a mismatch raises `ModelDirError` naming the file,
-    the missing and unexpected keys and the shape mismatches."""
+    the missing and unexpected keys and the shape mismatches. The file's tensors become the module's
+    (`assign=True`: no copy), each in the dtype of the tensor it replaces and on its device (the
+    file's for a module built in `empty_init()`, which has no data of its own)."""
     expected = module.state_dict()
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -332,7 +337,14 @@ def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
         problems.append(f"shape mismatches {_short_list(mismatched)}")
     if problems:
         raise ModelDirError(source_file, "; ".join(problems) + f" (module {type(module).__name__})")
-    module.load_state_dict(dict(state_dict), strict=True)
+    module.load_state_dict({k: _like(state_dict[k], v) for k, v in expected.items()}, strict=True, assign=True)
+
+
+def _like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`value` as `load_state_dict`'s copy into `target` would leave it: target's dtype (and device,
+    unless target is on the meta device), contiguous. No copy when it already is."""
+    device = value.device if target.is_meta else target.device
+    return value.to(device=device, dtype=target.dtype).contiguous()
 
 
 def _cosyvoice3_hift(dims: HiFTDims, flow: DiTFlowDims) -> CausalHiFT:
@@ -357,7 +369,8 @@ def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = 
                  dtype: torch.dtype = torch.float32, llm_dtype: torch.dtype | None = None,
                  with_llm: bool = True, with_token2wav: bool = True) -> Models:
     """Build the directory kind's LM, flow and HiFT from the dims (`CosyVoice2LM`, `Flow`, `HiFT` or
-    their CosyVoice3 counterparts), load the weights strictly, move them to `device` (flow in `dtype`,
+    their CosyVoice3 counterparts) without initialising them (`models/empty_init.py`), load the weights
+    strictly, move them to `device` (flow in `dtype`,
     the LM in `llm_dtype` (default `dtype`), HiFT always float32) and put them in eval mode.
     `with_llm=False` leaves `Models.llm` None (an engine that loads the LM itself);
     `with_token2wav=False` leaves `flow` and `hift` None (a device that runs only the LM)."""
@@ -367,11 +380,10 @@ def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = 
     flow_cls, hift_cls = TOKEN2WAV_CLASSES.get(md.kind, (None, None))
 
     def load(make, dims, state_dict, file: str, mod_dtype: torch.dtype) -> torch.nn.Module:
-        module = make(dims)
-        sd = state_dict()
-        load_strict(module, sd, file)
-        del sd
-        return module.to(device=device, dtype=mod_dtype).eval()
+        with empty_init():  # every weight comes from the file: no random init to throw away
+            module = make(dims)
+        load_strict(module, state_dict(), file)
+        return finish_empty_init(module).to(device=device, dtype=mod_dtype).eval()
 
     return Models(
         llm=load(LM_CLASSES[md.kind], md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype)

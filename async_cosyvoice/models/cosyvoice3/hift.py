@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..dims import HiFTDims
+from ..empty_init import register_computed_buffers
 from ..hift import HiFTStages, ResBlock, SourceModuleHnNSF, istft, recompute_tails, reflect_after_ends
 from .nsf_noise import FixedNSFNoise
 
@@ -131,8 +132,7 @@ class CausalHiFT(HiFTStages):
             ResBlock(base // 2 ** (i + 1), k, d, causal=True)
             for i in range(len(rates)) for k, d in zip(dims.resblock_kernel_sizes, dims.resblock_dilation_sizes))
         self.conv_post = LeftCausalConv1d(base // 2 ** len(rates), stft_ch, 7)
-        self.register_buffer("stft_window", torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64)
-                             .to(torch.float32), persistent=False)
+        register_computed_buffers(self)
 
     @property
     def right_context_frames(self) -> int:

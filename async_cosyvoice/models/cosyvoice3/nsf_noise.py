@@ -38,7 +38,7 @@ class FixedNSFNoise:
         self._state = state
         self.dim = dim
         self.max_samples = max_samples
-        self._noise = torch.empty(1, 0, dim)
+        self._noise = torch.empty(1, 0, dim, device="cpu")
         self._on_device: dict[torch.device, Tensor] = {}
         self._phases_on: dict[torch.device, Tensor] = {}
         self._lock = threading.Lock()
@@ -55,14 +55,15 @@ class FixedNSFNoise:
     def from_generator_state(cls, state: Tensor, dim: int = 9, max_samples: int = MAX_SAMPLES) -> "FixedNSFNoise":
         """From the CPU generator state right before upstream's SineGen2 constructor."""
         g = torch.Generator().set_state(state)
-        rand_ini = torch.rand(1, dim, generator=g)
+        rand_ini = torch.rand(1, dim, generator=g, device="cpu")
         rand_ini[:, 0] = 0
         return cls(rand_ini, g.get_state(), dim, max_samples)
 
     @classmethod
     def replay(cls, flow: DiTFlowDims, hift: HiFTDims) -> "FixedNSFNoise":
-        """Upstream's draws for a model of these dims (what `cosyvoice3.yaml` builds)."""
-        with torch.random.fork_rng(devices=[]):
+        """Upstream's draws for a model of these dims (what `cosyvoice3.yaml` builds), on the CPU
+        generator also inside `empty_init()` (a meta-device module draws nothing)."""
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(0)  # CausalConditionalCFM.__init__
             torch.randn(1, 80, flow.cfm.noise_frames)  # its rand_noise (80 channels, hard-coded upstream)
             nn.Embedding(flow.vocab_size, flow.input_size)
