@@ -42,11 +42,6 @@ import torch
 
 from .files import atomic_write_bytes, cache_root
 
-try:  # inductor's own default folder (private; absent in some builds)
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-except ImportError:  # pragma: no cover
-    default_cache_dir = None
-
 if TYPE_CHECKING:
     from .config import Config
 
@@ -242,10 +237,15 @@ def operator_inductor_dir() -> str | None:
     of torch does) sets it to inductor's default (/tmp/torchinductor_<user>) when unset, so that
     value is taken as unset: else `warmup.compile_cache_dir` would be ignored in every server."""
     explicit = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if explicit is None or (default_cache_dir is not None and
-                            os.path.abspath(explicit) == os.path.abspath(default_cache_dir())):
+    if explicit is None:
         return None
-    return explicit
+    # Imported here, when compiling is about to start: torch._inductor imports torch._dynamo (over a
+    # second), which a process that compiles nothing (a CPU server, a token2wav child) never needs.
+    try:  # inductor's own default folder (private; absent in some builds)
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # pragma: no cover
+        return explicit
+    return None if os.path.abspath(explicit) == os.path.abspath(default_cache_dir()) else explicit
 
 
 def compile_cache_dir(config: Config) -> Path:

@@ -23,6 +23,7 @@ captures in that process; its graphs are not in this process's log.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -30,16 +31,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-try:  # torch's own compile-time accounting (private; absent in some builds)
-    from torch._dynamo.utils import calculate_time_spent
-except ImportError:  # pragma: no cover
-    calculate_time_spent = None
-
 PHASES = ("load weights", "compile", "capture", "warm-up requests", "save compile cache")
+DYNAMO_UTILS = "torch._dynamo.utils"  # torch's own compile-time accounting (private; absent in some builds)
 
 
 def compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far (Dynamo + inductor, torch's accounting)."""
+    """Seconds this process has spent in torch.compile so far (Dynamo + inductor, torch's accounting).
+    Read where torch.compile has loaded it: a process that never imported torch._dynamo compiled
+    nothing, and importing it only to read 0 would cost a start that compiles nothing over a second."""
+    calculate_time_spent = getattr(sys.modules.get(DYNAMO_UTILS), "calculate_time_spent", None)
     if calculate_time_spent is None:
         return 0.0
     try:

@@ -105,10 +105,10 @@ class MakesATensorInItsConstructor(nn.Module):
     def __init__(self):
         super().__init__()
         self.proj = nn.Linear(2, 2)
-        self.register_buffer("table", torch.arange(4.0), persistent=False)  # not from computed_buffers()
+        self.register_buffer("table", torch.arange(4.0), persistent=False)  # in no weight file, not made on the CPU explicitly
 
 
-def test_a_tensor_made_outside_computed_buffers_is_reported():
+def test_a_constructor_tensor_left_on_the_meta_device_is_reported():
     with empty_init():
         module = MakesATensorInItsConstructor()
     load_strict(module, {"proj.weight": torch.eye(2), "proj.bias": torch.zeros(2)}, "flow.pt")

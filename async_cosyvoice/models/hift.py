@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .dims import HiFTDims
-from .empty_init import register_computed_buffers
 
 
 # --------------------------------------------------------------------------- noise control
@@ -323,16 +322,13 @@ class HiFTStages(nn.Module):
     """What HiFT and CosyVoice3's causal HiFT (cosyvoice3/hift.py) share past conv_pre: the
     source STFT, the upsampling stages fused with the source, and conv_post -> iSTFT. Subclasses
     build `ups`, `source_downs`, `source_resblocks`, `resblocks` and `conv_post` (each called with
-    one input, doing its own padding), set `dims`, `n_fft`, `hop`, `num_kernels` and then call
-    `register_computed_buffers(self)` (the iSTFT window, in no weight file)."""
-
-    def computed_buffers(self) -> dict[str, Tensor]:
-        return {"stft_window": self._hann(self.n_fft)}
+    one input, doing its own padding) and set `dims`, `n_fft`, `hop`, `num_kernels`, `stft_window`."""
 
     @staticmethod
     def _hann(n: int) -> Tensor:
-        # periodic Hann computed in float64, stored as float32 (like a scipy window)
-        return torch.hann_window(n, periodic=True, dtype=torch.float64).to(torch.float32)
+        # periodic Hann computed in float64, stored as float32 (like a scipy window); on the CPU
+        # explicitly: in no weight file, so it must be real also in a meta-device build (empty_init)
+        return torch.hann_window(n, periodic=True, dtype=torch.float64, device="cpu").to(torch.float32)
 
     def source_stft(self, source: Tensor) -> Tensor:
         """source (B, 1, L) -> (B, n_fft + 2, L / hop + 1): real then imaginary parts (center=True)."""
@@ -407,7 +403,7 @@ class HiFT(HiFTStages):
             for i in range(n_stages)
             for k, d in zip(dims.resblock_kernel_sizes, dims.resblock_dilation_sizes))
         self.conv_post = nn.Conv1d(base // 2 ** n_stages, stft_ch, 7, padding=3)
-        register_computed_buffers(self)
+        self.register_buffer("stft_window", self._hann(self.n_fft), persistent=False)
 
     # -- pieces
 

@@ -72,7 +72,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim_head: int, base: float = 10000.0):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim_head, 2).float() / dim_head))
+        # in flow.pt too; made on the CPU also in a meta-device build (empty_init), where this
+        # arithmetic would run torch's Python reference ops
+        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim_head, 2, device="cpu").float() / dim_head))
 
     def forward(self, positions: Tensor) -> Tensor:
         """positions (..., T) -> angles (..., T, dim_head) float32: [a0, a0, a1, a1, …]."""

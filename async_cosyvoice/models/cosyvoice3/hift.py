@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..dims import HiFTDims
-from ..empty_init import register_computed_buffers
 from ..hift import HiFTStages, ResBlock, SourceModuleHnNSF, istft, recompute_tails, reflect_after_ends
 from .nsf_noise import FixedNSFNoise
 
@@ -132,7 +131,7 @@ class CausalHiFT(HiFTStages):
             ResBlock(base // 2 ** (i + 1), k, d, causal=True)
             for i in range(len(rates)) for k, d in zip(dims.resblock_kernel_sizes, dims.resblock_dilation_sizes))
         self.conv_post = LeftCausalConv1d(base // 2 ** len(rates), stft_ch, 7)
-        register_computed_buffers(self)
+        self.register_buffer("stft_window", self._hann(self.n_fft), persistent=False)
 
     @property
     def right_context_frames(self) -> int:
