@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterable, AsyncIterator, Callable, Iterator
 
@@ -171,15 +172,21 @@ class Synthesizer:
     def _build(cls, config: Config, token2wav: Callable[[ModelDir], Token2WavBatcher] | None) -> "Synthesizer":
         device = check_device(config.model.device)
         model_dir = load_model_dir(resolve_model_dir(config.model.dir))
-        compile_cache = None
-        if compile_in_use(config):
-            use_compile_cache(config)
-            compile_cache = open_compile_cache(config, model_dir.path, device)
-        # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
-        # Flow and HiFT belong to the token2wav stage (token2wav_worker), loaded there.
-        models = build_models(model_dir, device=device, llm_dtype=getattr(torch, config.model.llm_dtype),
-                              with_llm=config.engine.kind == "native", with_token2wav=False)
-        front = RequestFront.load(config, model_dir)
+        # The request front loads beside the compile cache and the LM: its imports (inflect, which
+        # typeguard instruments for seconds; wetext's FSTs) are Python, the LM's loading mostly torch
+        # work that releases the GIL, and its ONNX sessions are built in C++. All is done before
+        # anything starts a process or a device stage, so a failure leaves nothing running.
+        with ThreadPoolExecutor(1, thread_name_prefix="load-front") as loader:
+            loading_front = loader.submit(RequestFront.load, config, model_dir)
+            compile_cache = None
+            if compile_in_use(config):
+                use_compile_cache(config)
+                compile_cache = open_compile_cache(config, model_dir.path, device)
+            # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
+            # Flow and HiFT belong to the token2wav stage (token2wav_worker), loaded there.
+            models = build_models(model_dir, device=device, llm_dtype=getattr(torch, config.model.llm_dtype),
+                                  with_llm=config.engine.kind == "native", with_token2wav=False)
+            front = loading_front.result()
         front.limit_to_device(device_memory(config.model.device))
         engine = create_engine(config, models.llm, model_dir)
         batcher = token2wav_worker(config, model_dir, config.model.device) if token2wav is None else token2wav(model_dir)
