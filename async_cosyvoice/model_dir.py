@@ -9,7 +9,8 @@
 - State dicts are loaded with `torch.load(weights_only=True, mmap=True)` and normalized to the key names our
   modules use: the Qwen2 backbone moves to `backbone.*`, HiFT weight norm is folded into plain weights.
 - Modules are built on the meta device (no random init) and the file's tensors assigned to them
-  (`load_strict`, `build_models`): a weight is read from the file once, by its move to the dtype and device.
+  (`load_strict`, `build_models`): a weight is read from the file once, by its move to the dtype and
+  device; one that nothing converted is copied off the file's pages (`own_memory`).
 - Every problem raises `ModelDirError` naming the file and what was expected.
 """
 from __future__ import annotations
@@ -340,6 +341,22 @@ def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     module.load_state_dict({k: _like(state_dict[k], v) for k, v in expected.items()}, strict=True, assign=True)
 
 
+def own_memory(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """The tensors of `module` that are still `state_dict`'s (assigned, and already in the dtype and on
+    the device asked for: the CPU in the file's dtype) copied into memory of their own. A state dict
+    read with mmap is the file's pages: a model file rewritten in place under a running server would
+    change its weights, or fault it (SIGBUS) if it got shorter."""
+    mapped = {t.untyped_storage().data_ptr() for t in state_dict.values()}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None and param.untyped_storage().data_ptr() in mapped:
+                param.data = param.data.clone()
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.untyped_storage().data_ptr() in mapped:
+                sub._buffers[name] = buffer.clone()
+    return module
+
+
 def _like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """`value` as `load_state_dict`'s copy into `target` would leave it: target's dtype (and device,
     unless target is on the meta device), contiguous. No copy when it already is."""
@@ -382,8 +399,10 @@ def build_models(model_dir: ModelDir | str | Path, device: str | torch.device = 
     def load(make, dims, state_dict, file: str, mod_dtype: torch.dtype) -> torch.nn.Module:
         with empty_init():  # every weight comes from the file: no random init to throw away
             module = make(dims)
-        load_strict(module, state_dict(), file)
-        return finish_empty_init(module).to(device=device, dtype=mod_dtype).eval()
+        sd = state_dict()
+        load_strict(module, sd, file)
+        module = finish_empty_init(module).to(device=device, dtype=mod_dtype)
+        return own_memory(module, sd).eval()
 
     return Models(
         llm=load(LM_CLASSES[md.kind], md.dims.lm, md.llm_state_dict, LLM_FILE, llm_dtype or dtype)

@@ -4,15 +4,27 @@ buffer (computed ones included) and tensor attribute equal, same dtypes, devices
 CosyVoice3 vocoder's fixed NSF noise the same draws."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch import nn
 
 from async_cosyvoice.errors import ModelDirError
-from async_cosyvoice.model_dir import LM_CLASSES, TOKEN2WAV_CLASSES, build_models, load_model_dir, load_strict
+from async_cosyvoice.model_dir import (
+    LM_CLASSES,
+    TOKEN2WAV_CLASSES,
+    build_models,
+    load_model_dir,
+    load_strict,
+)
 from async_cosyvoice.models.cosyvoice3.hift import CausalHiFT
 from async_cosyvoice.models.cosyvoice3.nsf_noise import FixedNSFNoise
-from async_cosyvoice.models.empty_init import empty_init, finish_empty_init, meta_tensors
+from async_cosyvoice.models.empty_init import (
+    empty_init,
+    finish_empty_init,
+    meta_tensors,
+)
 
 
 def built_the_old_way(md, dtype: torch.dtype, llm_dtype: torch.dtype) -> dict[str, nn.Module]:
@@ -114,3 +126,16 @@ def test_a_constructor_tensor_left_on_the_meta_device_is_reported():
     load_strict(module, {"proj.weight": torch.eye(2), "proj.bias": torch.zeros(2)}, "flow.pt")
     with pytest.raises(RuntimeError, match=r"MakesATensorInItsConstructor .* 1 tensor\(s\) unset \(table\)"):
         finish_empty_init(module)
+
+
+def test_weights_do_not_follow_a_model_file_rewritten_in_place(tiny_dir, tmp_path):
+    """float32 on the CPU is the file's dtype and device: nothing converts the assigned tensors, which
+    are the file's mmap pages until build_models gives them memory of their own."""
+    d = tmp_path / "model"
+    shutil.copytree(tiny_dir, d, ignore=shutil.ignore_patterns("golden"))
+    models = build_models(d)
+    before = {k: v.clone() for k, v in models.llm.state_dict().items()}
+    sd = torch.load(d / "llm.pt", map_location="cpu", weights_only=True)
+    torch.save({k: torch.zeros_like(v) for k, v in sd.items()}, d / "llm.pt")  # the same inode, rewritten
+    after = models.llm.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

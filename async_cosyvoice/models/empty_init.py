@@ -15,7 +15,7 @@ draw nothing. `finish_empty_init` names any tensor that was missed.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
