@@ -5,6 +5,7 @@ CosyVoice3 vocoder's fixed NSF noise the same draws."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -139,3 +140,23 @@ def test_weights_do_not_follow_a_model_file_rewritten_in_place(tiny_dir, tmp_pat
     torch.save({k: torch.zeros_like(v) for k, v in sd.items()}, d / "llm.pt")  # the same inode, rewritten
     after = models.llm.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_empty_init_is_the_building_threads_only():
+    """Synthesizer._build loads the request front in another thread while the LM is built in
+    empty_init(): that thread's tensors and modules stay real and initialised."""
+    inside, seen = threading.Event(), {}
+
+    def other_thread():
+        inside.wait()
+        layer = nn.Linear(2, 2)
+        seen.update(tensor=torch.zeros(3).device.type, layer=layer.weight.device.type,
+                    initialised=bool(layer.weight.abs().sum() > 0))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with empty_init():
+        inside.set()
+        thread.join()
+        assert torch.zeros(1).is_meta
+    assert seen == {"tensor": "cpu", "layer": "cpu", "initialised": True}
