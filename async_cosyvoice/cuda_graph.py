@@ -43,9 +43,3 @@ class CapturedCall:
         self.graph.replay()
         return self.out
 
-
-def padded(value: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """value in the leading corner of zeros of `shape` (what a captured call's buffer holds)."""
-    out = value.new_zeros(shape)
-    out[tuple(slice(0, n) for n in value.shape)] = value
-    return out

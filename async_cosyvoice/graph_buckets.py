@@ -1,19 +1,30 @@
 """Calls captured as CUDA graphs by (batch, length) bucket: the whole flow call (token2wav/flow_graphs.py),
-HiFT (token2wav/hift_graphs.py) and the flow estimator's single steps (estimator/torch_backend.py).
+HiFT (token2wav/hift_graphs.py), the cached flow call (token2wav/slot_calls.py) and the flow
+estimator's single steps (estimator/torch_backend.py).
 
 A call of batch B (streams; estimator rows) and length L takes the smallest batch bucket >= B and
 L rounded up (`length_bucket`, steps of >= `min_step`: <= 12.5 % padding), for buckets of at most
 `max_bucket_size` batch x length (None: no limit), at most `max_graphs` graphs, and only while the
 device keeps `GRAPH_MEMORY_RESERVE` of its memory free; past that the caller runs it without a graph
 (a graph's pool keeps its memory for good, and graphs of ever longer calls fragment it: CosyVoice3's
-vocoder, which re-renders all the mel so far, filled an 80 GB card with graphs at 64 streams). A bucket's graph is captured on its first call (`warmup` captures
-chosen ones ahead), and all of them share one memory pool, so each call's outputs are overwritten
-by the next replay: callers copy out what they keep. Off CUDA (`cuda_graphs=False`) the call runs
-on inputs padded to the bucket, without a graph: the tests use it to check that padding changes
-nothing.
+vocoder, which re-renders all the mel so far, filled an 80 GB card with graphs at 64 streams).
+
+Captures never run on a request's path. `warmup` captures the start-up plan's buckets ahead. A
+call of a bucket that has no graph yet runs the bucket's function without a graph on its inputs
+padded to the bucket (the same computation the graph would replay) and records the bucket as
+wanted; `capture_wanted` captures the oldest wanted bucket, and the token2wav stage calls it in its
+device thread only while no job waits and no stream is open (token2wav/batcher.py). Why: with
+torch.compile'd regions a flow capture takes ~2 s (16 in 29.5 s on an H100), and captured on first
+use, the first time two or three streams overlapped at a new length a listener waited that long
+(p99 first chunk 1.9 s at 0.35 req/s). A capture that fails (e.g. out of memory) is logged, and
+its bucket runs without a graph from then on, as one past the buckets.
+
+All graphs share one memory pool, so each call's outputs are overwritten by the next replay:
+callers copy out what they keep. Off CUDA (`cuda_graphs=False`) the call runs on inputs padded to
+the bucket, without a graph: the tests use it to check that padding changes nothing.
 
 A subclass says what runs in a bucket (`_fn`), the static shape of each input there
-(`_buffer_shape`) and inputs to capture it with (`_example`, for `warmup`).
+(`_buffer_shape`) and inputs to capture it with (`_example`, for `warmup` and `capture_wanted`).
 """
 from __future__ import annotations
 
@@ -24,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .cuda_graph import CapturedCall, padded
+from .cuda_graph import CapturedCall
 from .startup import CAPTURES
 
 log = logging.getLogger(__name__)
@@ -99,8 +110,11 @@ class GraphBuckets:
         self._pool = None
         self._warned_full = False
         self._warned_memory = False
+        self.wanted: dict[Bucket, None] = {}  # buckets called before their graph, oldest first
+        self._failed: set[Bucket] = set()     # buckets whose capture failed: they run without a graph
         self.replays = 0    # calls that ran in a graph (or, off CUDA, padded to a bucket)
-        self.fallbacks = 0  # calls past the buckets
+        self.deferred = 0   # calls that ran padded without a graph while their bucket waited for its capture
+        self.fallbacks = 0  # calls past the buckets (or of a bucket whose capture failed)
 
     def bucket(self, batch: int, length: int) -> Bucket | None:
         """The bucket a call of `batch` streams (rows) of `length` falls in, or None: it runs without a graph."""
@@ -112,6 +126,8 @@ class GraphBuckets:
         device's memory reserve free)."""
         if not self.cuda_graphs or bucket in self.graphs:
             return True
+        if bucket in self._failed:
+            return False
         if len(self.graphs) >= self.max_graphs:
             if not self._warned_full:
                 self._warned_full = True
@@ -160,14 +176,40 @@ class GraphBuckets:
             new += 1
         return new
 
+    def capture_wanted(self) -> bool:
+        """Capture the oldest wanted bucket that still has room (`_has_room`; those without are
+        dropped), from `_example` inputs. Returns whether a capture ran (False: nothing was
+        wanted). A failed capture is logged and its bucket runs without a graph from then on.
+        Call it in the thread that runs this object's calls (the token2wav device thread)."""
+        while self.wanted:
+            bucket = next(iter(self.wanted))
+            del self.wanted[bucket]
+            if bucket in self.graphs or not self._has_room(bucket):
+                continue
+            try:
+                with torch.inference_mode():
+                    self._capture(bucket, self._example(bucket))
+            except Exception as e:  # noqa: BLE001 — e.g. CUDA out of memory: the bucket runs without a graph
+                self._failed.add(bucket)
+                log.warning("capturing the %s CUDA graph for batch %s %s failed (%s: %s): its calls run without "
+                            "a graph", self.what, " x ".join(map(str, bucket)), self.unit, type(e).__name__, e)
+            return True
+        return False
+
     def _run(self, bucket: Bucket, inputs: dict[str, Tensor]) -> Any:
-        """The bucket's call on `inputs` (each at most the bucket's shape): its graph replayed
-        (captured now if new), or off CUDA the call on inputs padded to the bucket."""
-        self.replays += 1
-        if not self.cuda_graphs:
-            return self._fn(bucket)(**{name: padded(v, self._buffer_shape(name, bucket, v)) for name, v in inputs.items()})
-        graph = self.graphs.get(bucket) or self._capture(bucket, inputs)
-        return graph(**inputs)
+        """The bucket's call on `inputs` (each at most the bucket's shape): its graph replayed, or
+        the bucket's function on inputs padded to the bucket: off CUDA, and on CUDA while the
+        bucket waits for its capture (recorded in `wanted`)."""
+        graph = self.graphs.get(bucket) if self.cuda_graphs else None
+        if graph is not None:
+            self.replays += 1
+            return graph(**inputs)
+        if self.cuda_graphs:
+            self.deferred += 1
+            self.wanted[bucket] = None
+        else:
+            self.replays += 1
+        return self._fn(bucket)(**self._padded(bucket, inputs))
 
     def _capture(self, bucket: Bucket, inputs: dict[str, Tensor]) -> CapturedCall:
         if self._pool is None:
@@ -177,6 +219,13 @@ class GraphBuckets:
         with CAPTURES.capturing(self.what):
             graph = self.graphs[bucket] = CapturedCall(self._fn(bucket), buffers, self.device, self._pool)
         return graph
+
+    def _padded(self, bucket: Bucket, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`inputs` padded to the bucket as a graph's buffers hold them (`_buffers`: shapes, dtypes)."""
+        buffers = self._buffers(bucket, inputs)
+        for name, v in inputs.items():
+            buffers[name][tuple(slice(0, n) for n in v.shape)].copy_(v)
+        return buffers
 
     def _buffers(self, bucket: Bucket, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """The bucket's static input buffers, zeros (what padding holds)."""

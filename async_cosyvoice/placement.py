@@ -10,7 +10,7 @@
                     takes no new ones, the others carry on
     disaggregated   one Synthesizer whose LLM engine runs on the first device, with one token2wav
                     worker (batcher + runner) per other device; each utterance goes to the worker
-                    with the fewest live streams and stays there (`Token2WavPool.pick`)
+                    with the fewest open streams and stays there (`Token2WavPool.pick`)
 
 `create_synthesizer(config)` is what a server calls; with one device it is `Synthesizer.create`.
 Speakers are one store shared by all replicas. `device_stats(synth)` reports the load per device.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
@@ -38,7 +37,7 @@ from .stage_stats import StageStats, totals
 from .startup import Startup
 from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav.batcher import Token2WavBatcher
-from .token2wav.process import token2wav_worker
+from .token2wav.process import Token2WavProcess, token2wav_worker
 from .tts import Synthesizer
 from .worker_pool import WorkerPool
 
@@ -198,35 +197,39 @@ class ReplicaRouter:
 
 
 class Token2WavWorker:
-    """One device's token2wav batcher, counting the streams it serves (`submit` is the
-    batcher's). A stream joins with its first job and leaves with its final one, or when it is
-    dropped (a cancelled request): the set holds weak references."""
+    """One device's token2wav batcher (in this process or a child's), counting the streams it
+    serves: a segment's stream is open from the start of its Utterance.run to its end, however it
+    ends (`stream_started` / `stream_ended`, passed on to the batcher, which captures CUDA graphs
+    only while none is open). `submit` is the batcher's."""
 
-    def __init__(self, batcher: Token2WavBatcher, device: str):
+    def __init__(self, batcher: Token2WavBatcher | Token2WavProcess, device: str):
         self.batcher = batcher
         self.device = device
-        self.streams: weakref.WeakSet[Token2WavStream] = weakref.WeakSet()
+        self.open_streams = 0
         self.served = 0  # utterances assigned
 
     def open_stream(self, *args, **kwargs) -> Token2WavStream:
         return self.batcher.open_stream(*args, **kwargs)
 
+    def stream_started(self) -> None:
+        self.open_streams += 1
+        self.batcher.stream_started()
+
+    def stream_ended(self) -> None:
+        self.open_streams -= 1
+        self.batcher.stream_ended()
+
     async def submit(self, job: Token2WavJob, deadline: float) -> torch.Tensor:
-        self.streams.add(job.stream)
-        try:
-            return await self.batcher.submit(job, deadline)
-        finally:
-            if job.finalize:
-                self.streams.discard(job.stream)
+        return await self.batcher.submit(job, deadline)
 
 
 class Token2WavPool:
     """Token2WavBatchers on several devices in the Synthesizer's `batcher` slot. The Synthesizer
     calls `pick()` once per utterance (a plain Token2WavBatcher returns itself) and sends all of
     the utterance's jobs there, because its caches live on that device; `pick` returns the worker
-    with the fewest live streams (ties: the one given fewest utterances)."""
+    with the fewest open streams (ties: the one given fewest utterances)."""
 
-    def __init__(self, batchers: list[Token2WavBatcher], devices: list[str]):
+    def __init__(self, batchers: list[Token2WavBatcher | Token2WavProcess], devices: list[str]):
         if not batchers or len(batchers) != len(devices):
             raise ValueError("one batcher per device")
         self.workers = [Token2WavWorker(b, d) for b, d in zip(batchers, devices)]
@@ -235,12 +238,12 @@ class Token2WavPool:
         return [w.batcher.stage_stats for w in self.workers]
 
     def pick(self) -> Token2WavWorker:
-        worker = min(self.workers, key=lambda w: (len(w.streams), w.served))
+        worker = min(self.workers, key=lambda w: (w.open_streams, w.served))
         worker.served += 1
         return worker
 
     def device_stats(self) -> list[DeviceStats]:
-        return [DeviceStats(w.device, "token2wav", len(w.streams), w.served) for w in self.workers]
+        return [DeviceStats(w.device, "token2wav", w.open_streams, w.served) for w in self.workers]
 
     async def prepare_speaker(self, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
                               speaker_id: str) -> bool:

@@ -336,8 +336,9 @@ class Synthesizer:
             return
         for i, model_input in enumerate(inputs):
             utterance = self._utterance(request, model_input, i, playback, last=i == len(inputs) - 1)
-            async for chunk in utterance.run():
-                yield chunk
+            async with contextlib.aclosing(utterance.run()) as chunks:  # closed now, not when collected
+                async for chunk in chunks:
+                    yield chunk
 
     async def model_inputs(self, request: SynthesisRequest, voice: Voice) -> list[ModelInput]:
         """What the LM and the flow receive for each text segment of a checked request."""
@@ -385,8 +386,9 @@ class Synthesizer:
             fed = TextFed()
             utterance = self._utterance(request, model_input, 0, playback, last=True,
                                         text_tokens=counted_text(text_tokens, fed), fed=fed)
-            async for chunk in utterance.run():
-                yield chunk
+            async with contextlib.aclosing(utterance.run()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             return
         segments: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(read_ahead(text_tokens, segments))
@@ -397,8 +399,10 @@ class Synthesizer:
                     raise item
                 model_input = self.front.model_input(request.mode, voice, text_tokens=item,
                                                      instruction_tokens=instruction)
-                async for chunk in self._utterance(request, model_input, n, playback, last=False).run():
-                    yield chunk
+                utterance = self._utterance(request, model_input, n, playback, last=False)
+                async with contextlib.aclosing(utterance.run()) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 n += 1
             if n == 0:
                 raise InvalidRequest("no text was received (or only punctuation)")

@@ -24,8 +24,14 @@ from .token2wav import Token2WavJob, Token2WavStream
 
 
 class Token2WavSink(Protocol):
-    """A token2wav batcher (or one device's worker of a pool)."""
+    """A token2wav batcher (or one device's worker of a pool). `stream_started` / `stream_ended`
+    bracket each segment's stream (`Utterance.run`): the batcher captures CUDA graphs only while
+    no stream is open (token2wav/batcher.py)."""
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor: ...
+
+    def stream_started(self) -> None: ...
+
+    def stream_ended(self) -> None: ...
 
 
 @dataclass
@@ -79,19 +85,24 @@ class Utterance:
 
     async def run(self) -> AsyncIterator[AudioChunk]:
         """Chunks as they are rendered. Closing this iterator closes the engine's token stream
-        (aborting the LM request) and drops this segment's pending token2wav job."""
-        if self.speech is not None:
-            async with contextlib.aclosing(self.speech) as speech:
-                async for batch in speech:
-                    if not self.timeline.first_token:
-                        self.timeline.first_token = time.monotonic()
-                    self.t2w.append(batch)
-                    async for chunk in self._render(llm_done=False):
-                        yield chunk
-        else:
-            self.t2w.append(self.source_tokens)
-        async for chunk in self._render(llm_done=True):
-            yield chunk
+        (aborting the LM request) and drops this segment's pending token2wav job. The sink counts
+        the stream as open from the first step of this iterator until it is closed or done."""
+        self.batcher.stream_started()
+        try:
+            if self.speech is not None:
+                async with contextlib.aclosing(self.speech) as speech:
+                    async for batch in speech:
+                        if not self.timeline.first_token:
+                            self.timeline.first_token = time.monotonic()
+                        self.t2w.append(batch)
+                        async for chunk in self._render(llm_done=False):
+                            yield chunk
+            else:
+                self.t2w.append(self.source_tokens)
+            async for chunk in self._render(llm_done=True):
+                yield chunk
+        finally:
+            self.batcher.stream_ended()
 
     async def _render(self, llm_done: bool) -> AsyncIterator[AudioChunk]:
         t2w, playback, timeline = self.t2w, self.playback, self.timeline

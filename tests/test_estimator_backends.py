@@ -176,12 +176,19 @@ def test_compiled_graphs_match_the_padded_eager_call(models):
     module = copy.deepcopy(models.flow.decoder.estimator).to("cuda")
     graphs = CompiledEstimator(module, compile=False, cuda_graphs=True, batch_buckets=(2, 4, 8))
     padded = CompiledEstimator(module, compile=False, cuda_graphs=False, pad_to_buckets=True, batch_buckets=(2, 4, 8))
-    for seed, (batch, frames) in enumerate([(6, 100), (2, 64), (6, 90), (3, 130)]):
-        args = [a.to("cuda") for a in _inputs(module, batch, frames, seed=seed)]
-        flag = torch.tensor([True, False] * (batch // 2) + [True] * (batch % 2), device="cuda")
-        with torch.inference_mode():
-            out, ref = graphs(*args, flag), padded(*args, flag)
-        assert out.shape == ref.shape and (out - ref).abs().max().item() <= PAD_ATOL
+    calls = [(6, 100), (2, 64), (6, 90), (3, 130)]
+    for graphed in (False, True):  # first calls run padded without a graph; then their graphs replay
+        for seed, (batch, frames) in enumerate(calls):
+            args = [a.to("cuda") for a in _inputs(module, batch, frames, seed=seed)]
+            flag = torch.tensor([True, False] * (batch // 2) + [True] * (batch % 2), device="cuda")
+            with torch.inference_mode():
+                out, ref = graphs(*args, flag), padded(*args, flag)
+            assert out.shape == ref.shape and (out - ref).abs().max().item() <= PAD_ATOL
+        if not graphed:
+            assert not graphs.graphs and list(graphs.wanted) == [(8, 128), (2, 64), (4, 192)]
+            assert (graphs.deferred, graphs.replays) == (4, 0)
+            while graphs.capture_wanted():  # captured from _example inputs
+                pass
     assert sorted(graphs.graphs) == [(2, 64), (4, 192), (8, 128)] and graphs.replays == 4
     wide = [a.to("cuda") for a in _inputs(module, 10, 70, seed=9)]
     with torch.inference_mode():

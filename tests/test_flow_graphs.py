@@ -114,15 +114,20 @@ def test_captured_graphs_match_the_eager_flow(tiny_dir):
     graphs = FlowGraphs(flow, TorchEstimator(flow.decoder.estimator).capturable)
     assert graphs.warmup([1, 2], [40]) == 2
     padded_eager = FlowGraphs(flow, flow.decoder.estimator, cuda_graphs=False)
-    for seed, items in enumerate([ITEMS, ITEMS[:1], ITEMS[1:], [(20, 30, 3, True)] * 4]):
-        inputs = batch_inputs(flow, items, seed=seed, device="cuda")
-        mel, lens = graphs(*inputs)
-        # the graph replays the padded call: same shapes, same kernels
-        assert_same_frames(mel, lens, *padded_eager(*inputs), atol=1e-5)
-        # against the unpadded call: other shapes pick other cuDNN / cuBLAS kernels, and float32
-        # convolutions use TF32 by default on CUDA (measured on an H100: 2.4e-4 on |mel| <= 4)
-        assert_same_frames(mel, lens, *flow(*inputs), atol=1e-3)
-    assert graphs.fallbacks == 0 and len(graphs.graphs) >= 3
+    for graphed in (False, True):  # new buckets first run padded without a graph, then in their graphs
+        for seed, items in enumerate([ITEMS, ITEMS[:1], ITEMS[1:], [(20, 30, 3, True)] * 4]):
+            inputs = batch_inputs(flow, items, seed=seed, device="cuda")
+            mel, lens = graphs(*inputs)
+            # the graph replays the padded call: same shapes, same kernels
+            assert_same_frames(mel, lens, *padded_eager(*inputs), atol=1e-5)
+            # against the unpadded call: other shapes pick other cuDNN / cuBLAS kernels, and float32
+            # convolutions use TF32 by default on CUDA (measured on an H100: 2.4e-4 on |mel| <= 4)
+            assert_same_frames(mel, lens, *flow(*inputs), atol=1e-3)
+        if not graphed:
+            assert graphs.wanted and graphs.deferred >= len(graphs.wanted)
+            while graphs.capture_wanted():
+                pass
+    assert graphs.fallbacks == 0 and len(graphs.graphs) >= 3 and not graphs.wanted
     before = {k: id(v) for k, v in graphs.graphs.items()}
     mel2, _ = graphs(*batch_inputs(flow, ITEMS, seed=0, device="cuda"))  # a replay: no new capture
     assert {k: id(v) for k, v in graphs.graphs.items()} == before

@@ -166,11 +166,16 @@ def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts, compile)
     cached = Token2WavRunner(models.flow, models.hift, slot_calls=calls, length_bucket_ratio=100)
     recompute = Token2WavRunner(models.flow, models.hift, flow_cache=False)
     torch.backends.cudnn.allow_tf32 = False  # fp32 convolutions, so both paths round alike
-    streams = [Token2WavStream(*prompts[name], schedule=ChunkSchedule(first_hop=hop), prompt_key=key, device="cuda")
-               for name, hop, key in (("p24", 15, "spk"), ("p16", 25, None), ("p24", 10, "spk"))]
     tokens = [target_tokens(n, seed) for n, seed in ((90, 1), (70, 2), (60, 3))]
-    assert drive(cached, recompute, streams, tokens, first_round=[0, 0, 2]) >= 8
-    assert cached.slot_calls.graphs and cached.slot_calls.replays > 0
+    # first the buckets run padded without graphs (wanted), then, captured, in their graphs
+    for graphed in (False, True):
+        streams = [Token2WavStream(*prompts[name], schedule=ChunkSchedule(first_hop=hop), prompt_key=key, device="cuda")
+                   for name, hop, key in (("p24", 15, "spk"), ("p16", 25, None), ("p24", 10, "spk"))]
+        assert drive(cached, recompute, streams, tokens, first_round=[0, 0, 2]) >= 8
+        assert (calls.replays > 0) == graphed and calls.deferred > 0
+        while cached.capture_wanted():
+            pass
+        assert calls.graphs and not calls.wanted
     assert calls.estimator_step.compiled == compile and all(k < pool.positions for k in calls.key_buckets)
 
 

@@ -15,8 +15,9 @@ attention masks padded keys, and LayerNorm works per frame, so rows and frames p
 length never reach it (tests/test_estimator_backends.py checks this against eager within 1e-5;
 the difference is float summation order).
 
-Graphs are captured the first time a bucket is used (`warmup()` captures chosen buckets ahead of
-time). A call past the buckets (a larger batch, or `max_graphs` captured) runs the compiled module
+A bucket's first call runs the padded call without a graph and leaves the bucket wanted; its graph
+is captured later, off the request path (graph_buckets.GraphBuckets.capture_wanted, called by the
+token2wav stage while its device is idle; `warmup()` captures chosen buckets ahead). A call past the buckets (a larger batch, or `max_graphs` captured) runs the compiled module
 without a graph. On a device without CUDA, or with `cuda_graphs=False`, the module is only
 compiled (or run eagerly with `compile=False`), padded to the buckets if `pad_to_buckets`; a
 compile failure falls back to eager with a warning. `compile_regions` compiles the estimator's
@@ -130,17 +131,6 @@ class CompiledEstimator(GraphBuckets):
         return self._call_module(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, streaming=streaming)
 
     @torch.inference_mode()
-    def warmup(self, batches: Sequence[int], frames: Sequence[int]) -> None:
-        """Capture (or, without CUDA graphs, compile) the buckets of these estimator batch sizes x
-        frame counts now."""
-        C = self.module.dims.out_channels
-        for b in batches:
-            for t in frames:
-                z = torch.zeros(b, C, t, dtype=self.dtype, device=self.device)
-                self(z, torch.ones(b, 1, t, dtype=self.dtype, device=self.device), z,
-                     torch.zeros(b, dtype=self.dtype, device=self.device), z[:, :, 0], z, False)
-
-    @torch.inference_mode()
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool | Tensor = False) -> Tensor:
         B, C, T = x.shape
@@ -168,6 +158,16 @@ class CompiledEstimator(GraphBuckets):
         if example.dim() == 3:  # x, mask, mu, cond: (B, channels, frames)
             return Bb, example.shape[1], Tb
         return (Bb,) + tuple(example.shape[1:])  # t, streaming (B,); spks (B, channels)
+
+    def _example(self, bucket: Bucket) -> dict[str, Tensor]:
+        """A call of the bucket's shapes to capture it with: zeros, a mask of ones (every frame
+        live: no fully masked row, whose softmax would be NaN), chunked (streaming) attention."""
+        Bb, Tb = bucket
+        C = self.module.dims.out_channels
+        z = torch.zeros(Bb, C, Tb, dtype=self.dtype, device=self.device)
+        return dict(x=z, mask=torch.ones(Bb, 1, Tb, dtype=self.dtype, device=self.device), mu=z,
+                    t=torch.zeros(Bb, dtype=self.dtype, device=self.device), spks=z[:, :, 0], cond=z,
+                    streaming=torch.ones(Bb, dtype=torch.bool, device=self.device))
 
     def _buffers(self, bucket: Bucket, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """Zeros in the estimator's dtype (the streaming flags stay bool): a caller's float32 mask

@@ -17,6 +17,13 @@ Non-streaming utterances (`is_offline_job`: one job for the whole utterance) go 
 offline collector instead (token2wav/offline_batcher.py: length-sorted, padded batches of whole utterances)
 when `offline` limits are given; its batches run in the same device thread.
 
+CUDA graphs of buckets first met by a request (graph_buckets.py: such a call runs without a
+graph and leaves its bucket wanted) are captured here, one at a time in the device thread, and
+only while nothing would wait for them: no job queued and no stream open (`stream_started` /
+`stream_ended`, which utterance.Utterance.run brackets each segment with: a stream still playing
+would underrun behind a capture of up to ~2 s). The loop wakes when the last stream ends and
+rechecks for jobs between captures, so a new request waits for at most one capture.
+
 The device work runs in one executor thread, so the event loop never blocks and the model sees
 one caller. The batcher keeps its own counters (`stage_stats`: batches, jobs, busy seconds) and a
 bounded timeline of the batches it ran (`stats.timeline`), which metrics and benchmarks read.
@@ -115,6 +122,8 @@ class Token2WavBatcher:
         self._last_lane = MAIN_LANE
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self.open_streams = 0  # streams between stream_started and stream_ended
+        self.idle_captures = 0  # CUDA graphs captured while idle (capture attempts, failed ones included)
         self.offline = (OfflineBatcher(runner, self.run_on_device, offline, offline_wait_s)
                         if offline is not None and batching else None)
 
@@ -133,6 +142,24 @@ class Token2WavBatcher:
         device = self.runner.device
         return Token2WavStream(prompt_token, prompt_feat, embedding, noise=request_noise(seed, segment, device),
                                device=device, causal_vocoder=self.runner.causal_vocoder, **options)
+
+    def stream_started(self) -> None:
+        """A stream's utterance started: no CUDA graph capture until every open stream has ended."""
+        self.open_streams += 1
+
+    def stream_ended(self) -> None:
+        """A stream's utterance ended (finished, failed or cancelled). The last one to end lets the
+        batcher capture the graphs its calls wanted."""
+        if self.open_streams <= 0:
+            raise RuntimeError("stream_ended without stream_started")
+        self.open_streams -= 1
+        self._capture_if_idle()
+
+    def _capture_if_idle(self) -> None:
+        """Wake the loop to capture wanted CUDA graphs if nothing would wait for them."""
+        if self.open_streams == 0 and self.runner.wants_capture:
+            self._ensure_running()
+            self._wake.set()
 
     async def wait_dead(self) -> str:
         """Never returns: this batcher runs in the server's own process (a token2wav process can die)."""
@@ -161,6 +188,7 @@ class Token2WavBatcher:
         stage_stats as one batch of `items` jobs; returns its result or raises what it raised."""
         result, seconds, ok = await asyncio.get_running_loop().run_in_executor(self._executor, timed_call, fn, *args)
         self.stage_stats.record(seconds, items, ok)
+        self._capture_if_idle()  # e.g. a speaker's prefix prepared between requests
         if not ok:
             raise device_error(result)
         return result
@@ -247,7 +275,9 @@ class Token2WavBatcher:
             while True:
                 lane, batch = self._take_batch()
                 if not batch:
-                    break
+                    if self.open_streams or not self.runner.wants_capture or not await self._capture_one():
+                        break
+                    continue  # jobs that arrived during the capture run before the next one
                 index, self._started = self._started, self._started + 1
                 started = time.monotonic()
                 left = self.pending
@@ -270,6 +300,22 @@ class Token2WavBatcher:
                 # let the streams just served plan and submit their next chunk before the next
                 # batch is taken, so they batch together instead of alternating
                 await asyncio.sleep(0)
+
+    async def _capture_one(self) -> bool:
+        """One wanted CUDA graph captured in the device thread (Token2WavRunner.capture_wanted);
+        whether one was. Failures are the runner's to log: a capture error never stops the loop."""
+        loop = asyncio.get_running_loop()
+        captured, seconds, ok = await loop.run_in_executor(self._executor, timed_call, self.runner.capture_wanted)
+        if not ok:
+            log.error("capturing a wanted CUDA graph failed; its calls keep running without one", exc_info=captured)
+            return False
+        if captured:
+            self.idle_captures += 1
+            deferred = sum(g.deferred for g in self.runner.graph_holders())
+            log.info("captured a wanted CUDA graph in %.1f s while idle (%d so far; %d calls ran without a graph "
+                     "waiting for theirs, %d still wanted)", seconds, self.idle_captures, deferred,
+                     sum(len(g.wanted) for g in self.runner.graph_holders()))
+        return bool(captured)
 
     def _record(self, index: int, lane: str, started: float, seconds: float, left: int,
                 batch: list[_Pending], ok: bool) -> None:

@@ -15,6 +15,9 @@ request's seed). One duplex pipe of pickled messages:
                       ("job", key, JobSpec)            one chunk, with the tokens the child lacks
                       ("cancel", key)                  its caller went away: dropped if not started
                       ("close", sid)                   the server's stream is gone
+                      ("started", None) ("ended", None) a segment's stream began / ended (Utterance.run):
+                                                       the child's batcher captures CUDA graphs only
+                                                       while none is open
                       ("call", key, method, args)      prepare_speaker, forget_speaker, capture_graphs
                       ("stop",)
     child -> server   ("ready", device) | ("failed", None, error)   once, after loading
@@ -103,8 +106,8 @@ class _Sent:
 
 class Token2WavProcess:
     """The token2wav stage of one device in a child process; in the Synthesizer's `batcher` slot
-    (open_stream, submit, pick, stage_stats_list, prepare_speaker, forget_speaker, capture_graphs,
-    wait_dead, close). Construction blocks until the child has loaded its models (call it off the
+    (open_stream, submit, stream_started, stream_ended, pick, stage_stats_list, prepare_speaker,
+    forget_speaker, capture_graphs, wait_dead, close). Construction blocks until the child has loaded its models (call it off the
     loop)."""
 
     def __init__(self, config: Config, model_dir: ModelDir, device: str):
@@ -172,6 +175,16 @@ class Token2WavProcess:
         job.timing.started = started
         job.stream.advance(job, samples.numel())
         return samples
+
+    def stream_started(self) -> None:
+        """Told to the child's batcher, which captures wanted CUDA graphs only while no stream is
+        open: forwarded rather than inferred from open/close there, because a stream's "close"
+        reaches the child only when the server's stream is collected, and lazily (before the next
+        message), which could leave the child thinking a stream is open for good."""
+        self._send_quietly(("started", None))
+
+    def stream_ended(self) -> None:
+        self._send_quietly(("ended", None))
 
     async def prepare_speaker(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
                               speaker_id: str) -> bool:
@@ -337,6 +350,10 @@ class _ChildServer:
                 self.streams[key] = rest[0].open(self.batcher)
             elif kind == "close":
                 self.streams.pop(key, None)
+            elif kind == "started":
+                self.batcher.stream_started()
+            elif kind == "ended":
+                self.batcher.stream_ended()
             elif kind == "cancel":
                 task = self.tasks.pop(key, None)
                 if task is not None:

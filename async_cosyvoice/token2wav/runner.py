@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..graph_buckets import GraphBuckets
 from ..models.cosyvoice3.hift import CausalHiFT
 from ..models.flow.base import MaskedDiffFlow
 from ..models.flow.prefix import FlowState, Geometry
@@ -429,6 +430,24 @@ class Token2WavRunner:
             mel_b = torch.cat([*old.mel, new], dim=2) if old is not None else new
             out.append(mel_b[:, :, ratio * j.stream.prompt_token.shape[1]:])
         return out
+
+    def graph_holders(self) -> list[GraphBuckets]:
+        """What captures CUDA graphs by bucket here: the flow's, HiFT's and the cached flow's graphs,
+        and the estimator where it is a CompiledEstimator."""
+        found = (self.flow_graphs, self.hift_graphs, self.slot_calls, self.estimator)
+        return [g for g in found if isinstance(g, GraphBuckets) and g.cuda_graphs]
+
+    @property
+    def wants_capture(self) -> bool:
+        """Some bucket ran without a graph and waits for its capture (`capture_wanted`)."""
+        return any(g.wanted for g in self.graph_holders())
+
+    def capture_wanted(self) -> bool:
+        """Capture one wanted CUDA graph (GraphBuckets.capture_wanted of the first holder that wants
+        one), in the device thread; returns whether a capture ran. The batcher calls it while no
+        job waits and no stream is open: a capture takes up to ~2 s (compiled regions)."""
+        with self.cuda_stream():
+            return any(g.capture_wanted() for g in self.graph_holders())
 
     def run(self, job: Token2WavJob) -> Tensor:
         """Compute one job and apply it to its stream; returns the emitted samples (1-D float32, CPU)."""
