@@ -13,8 +13,9 @@ Phases of the report (seconds; they add up to the start's wall time):
   warm-up requests   the rest of the engine start and the warm-up requests (the first runs of
                      every stage: kernel selection, allocator growth, speakers' flow prefixes)
   save compile cache writing the persistent compile cache
-Compile and capture happen inside the engine start and the warm-up (torch compiles lazily, graphs
-are captured on their first call), so they are measured where they happen and taken out of those.
+Compile and capture happen inside the engine start and the warm-up (torch compiles lazily; the
+warm-up captures its plan's graphs, and the token2wav stage those its warm-up requests wanted once
+they end), so they are measured where they happen and taken out of those.
 
 `CAPTURES` is the process's log of CUDA graph captures (like torch's own counters): the graph
 owners (graph_buckets.GraphBuckets, engine/model_runner.ModelRunner) add each capture's seconds

@@ -15,8 +15,11 @@ depend only on the chunk's hop. So the warm-up
    2, 4, … up to `warmup.capture_streams` streams (default 1: none), the flow graphs of the first
    chunks of such prompts and HiFT's chunks. CosyVoice3's causal vocoder re-vocodes all the mel so
    far: its HiFT graphs at 1 stream are every frame bucket up to the speech tokens' mel, at more
-   streams a first chunk's. Rarer buckets (more streams, longer utterances) are
-   captured on first use.
+   streams a first chunk's. Rarer buckets (more streams, longer utterances) are not captured on
+   the request that first meets them: that call runs padded without a graph and the bucket is
+   captured later, one graph at a time, while the token2wav device has no job queued and no stream
+   open (graph_buckets.py, token2wav/batcher.py). Captured on first use, a compiled flow graph cost
+   the listener ~2 s: the first time two or three streams overlapped at a new length.
 What is compiled is kept across restarts by compile_cache.py (`use_compile_cache`, re-exported here).
 """
 from __future__ import annotations
