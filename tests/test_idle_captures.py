@@ -183,6 +183,22 @@ def test_a_failed_capture_does_not_stop_the_batcher(models, prompt):
     assert samples.numel() > 0 and events == ["capture a", "batch of 1"] and captured == 0
 
 
+def test_a_stream_ending_after_close_starts_nothing(models):
+    """A server stopping cancels its requests; their streams end after the batcher closed: no
+    capture, no new loop on a shut-down device thread."""
+    async def scenario():
+        runner = CaptureLog(models.flow, models.hift)
+        batcher = Token2WavBatcher(runner)
+        batcher.stream_started()
+        await batcher.close()
+        runner.want("a")
+        batcher.stream_ended()
+        await asyncio.sleep(0)
+        return batcher._task, runner.events, batcher.open_streams
+
+    assert asyncio.run(scenario()) == (None, [], 0)
+
+
 # -- through the Synthesizer: every way a request ends closes its stream's count
 
 

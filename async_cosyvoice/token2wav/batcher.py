@@ -123,7 +123,8 @@ class Token2WavBatcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.open_streams = 0  # streams between stream_started and stream_ended
-        self.idle_captures = 0  # CUDA graphs captured while idle (capture attempts, failed ones included)
+        self.idle_captures = 0  # CUDA graph captures run while idle (a failed one included: the runner logs it)
+        self._closed = False
         self.offline = (OfflineBatcher(runner, self.run_on_device, offline, offline_wait_s)
                         if offline is not None and batching else None)
 
@@ -157,7 +158,7 @@ class Token2WavBatcher:
 
     def _capture_if_idle(self) -> None:
         """Wake the loop to capture wanted CUDA graphs if nothing would wait for them."""
-        if self.open_streams == 0 and self.runner.wants_capture:
+        if self.open_streams == 0 and not self._closed and self.runner.wants_capture:
             self._ensure_running()
             self._wake.set()
 
@@ -312,8 +313,8 @@ class Token2WavBatcher:
         if captured:
             self.idle_captures += 1
             deferred = sum(g.deferred for g in self.runner.graph_holders())
-            log.info("captured a wanted CUDA graph in %.1f s while idle (%d so far; %d calls ran without a graph "
-                     "waiting for theirs, %d still wanted)", seconds, self.idle_captures, deferred,
+            log.info("CUDA graph capture while idle: %.1f s (%d so far; %d calls ran without a graph waiting for "
+                     "theirs, %d still wanted)", seconds, self.idle_captures, deferred,
                      sum(len(g.wanted) for g in self.runner.graph_holders()))
         return bool(captured)
 
@@ -344,6 +345,7 @@ class Token2WavBatcher:
         self.runner.speaker_prefixes.drop(speaker_id)
 
     async def close(self) -> None:
+        self._closed = True  # streams ending after this (their requests cancelled) capture nothing
         if self.offline is not None:
             await self.offline.close()
         if self._task is not None:
