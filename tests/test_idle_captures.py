@@ -26,6 +26,7 @@ from async_cosyvoice.request import FLUSH, Mode, SynthesisOptions, SynthesisRequ
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from async_cosyvoice.token2wav.batcher import Token2WavBatcher
 from async_cosyvoice.tts import SyncSynthesizer
+from async_cosyvoice.warmup import capture_plan
 
 torch.set_num_threads(1)
 
@@ -267,3 +268,26 @@ def test_the_open_stream_count_returns_to_zero_however_a_request_ends(synth):
     assert synth.call(closed_by_its_consumer()) == (1, 0)
     assert synth.call(cancelled()) == (1, 0)
     assert synth.call(failed()) == ([1], 0)
+
+
+def test_the_warm_up_captures_what_its_own_requests_wanted(models):
+    """Before SERVING (Token2WavBatcher.capture_graphs): the plan, then every bucket the warm-up's
+    own requests left wanted, so none is left for an idle moment after SERVING, when the first
+    request could arrive during it."""
+    async def scenario():
+        runner = CaptureLog(models.flow, models.hift)
+        batcher = Token2WavBatcher(runner)
+        try:
+            runner.want("a", "b")
+            batcher.stream_started()  # a warm-up request still open: nothing is captured while idle
+            await batcher.capture_graphs(capture_plan(Config()))
+            during, wanted = list(runner.events), list(runner.wanted)
+            batcher.stream_ended()
+            await batcher.run_on_device(lambda: None)
+            return during, wanted, runner.events, batcher.idle_captures
+        finally:
+            await batcher.close()
+
+    during, wanted, events, idle = asyncio.run(scenario())
+    assert during == ["capture a", "capture b"] and wanted == []
+    assert events == during and idle == 0

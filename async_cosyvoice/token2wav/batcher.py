@@ -199,7 +199,9 @@ class Token2WavBatcher:
         flow call's (token2wav/flow_graphs.py) and HiFT's (token2wav/hift_graphs.py) buckets of the
         plan, and the cached flow call's (token2wav/slot_calls.py) at the plan's stream counts x its
         first four new-token buckets (a chunk's hop plus its recomputed partial encoder chunk; a
-        speaker's prefix) x every key bucket that holds them. Logs one line per graph kind; returns how many were new (0 without graphs)."""
+        speaker's prefix) x every key bucket that holds them; then what the warm-up's own requests
+        left wanted, so that no capture is left for the first requests after SERVING to wait
+        behind. Logs one line per graph kind; returns how many were new (0 without graphs)."""
         slot_calls = self.runner.slot_calls
         slot_plan = () if slot_calls is None else (
             (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
@@ -217,7 +219,13 @@ class Token2WavBatcher:
                     n += graphs.warmup(streams, lengths)
                 log.info("warm-up: %d %s CUDA graph(s) captured in %.1f s", n, graphs.what, time.perf_counter() - t)
                 new += n
-            return new
+            holders = self.runner.graph_holders()
+            before, t = sum(len(g.graphs) for g in holders), time.perf_counter()
+            while self.runner.capture_wanted():
+                pass
+            if left := sum(len(g.graphs) for g in holders) - before:
+                log.info("warm-up: %d CUDA graph(s) its requests wanted captured in %.1f s", left, time.perf_counter() - t)
+            return new + left
         return await self.run_on_device(capture, items=0)
 
     def _ensure_running(self) -> None:
