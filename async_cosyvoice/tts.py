@@ -67,7 +67,7 @@ from .token2wav.batcher import Token2WavBatcher
 from .token2wav.flow_cache import speaker_prefix_tokens, state_nbytes
 from .token2wav.process import token2wav_worker
 from .utterance import Playback, Utterance
-from .warmup import Warmup, compile_in_use
+from .warmup import Warmup, compile_in_use, release_heap, settle_heap
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +196,15 @@ class Synthesizer:
 
     async def warmup(self, rounds: int = 1) -> None:
         """Before SERVING: every stage once, where shapes are captured the fixed set of CUDA graphs
-        (warmup.capture_plan), and the flow prompt prefixes of the speakers registered last (`prepare_stored_speakers`, on every token2wav device at once).
+        (warmup.capture_plan), and the flow prompt prefixes of the speakers registered last (`prepare_stored_speakers`, on every token2wav device at once);
+        then the heap collected and frozen (warmup.settle_heap), so the full collection the start made
+        due is not paid by the first request.
         rounds: how often the warm-up requests run (a token2wav pool's sequential streams go round
         its workers: one round per worker warms each)."""
         for _ in range(rounds):
             await self.warming.run(self.synthesize)
         await self.prepare_stored_speakers()
+        settle_heap()
 
     async def prepare_stored_speakers(self) -> int:
         """The flow cache's prompt prefixes of the most recently registered zero-shot speakers, as
@@ -256,6 +259,7 @@ class Synthesizer:
         await self.engine.stop()
         await self.batcher.close()
         self.front.close()
+        release_heap()
 
     def engine_stats(self) -> EngineStats:
         return self.engine.stats()

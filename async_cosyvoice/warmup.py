@@ -6,11 +6,10 @@ start), the flow's and HiFT's graphs by (streams, length) bucket (token2wav/flow
 hift_graphs.py). A recomputing flow call renders a stream's prompt plus every token so far, so its
 bucket depends on the prompt's length and how far the utterance has got; a HiFT call's frames
 depend only on the chunk's hop. So the warm-up
-1. runs one short streamed synthesis through every stage (a generated 1-s prompt), then, where
-   shapes are captured (`Warmup.coverage`),
-2. captures a fixed set of graphs derived from the config alone (`capture_plan`), the same at every
-   start whichever speakers exist: at 1 stream, the flow graph of every token bucket up to
-   `warmup.capture_prompt_tokens` + `warmup.capture_speech_tokens` (every chunk of a request whose
+1. where shapes are captured (`Warmup.coverage`), captures a fixed set of graphs derived from the
+   config alone (`capture_plan`), the same at every start whichever speakers exist: at 1 stream,
+   the flow graph of every token bucket up to `warmup.capture_prompt_tokens` +
+   `warmup.capture_speech_tokens` (every chunk of a request whose
    prompt and speech are at most that long) and HiFT's of every streaming chunk's mel length; at
    2, 4, … up to `warmup.capture_streams` streams (default 1: none), the flow graphs of the first
    chunks of such prompts and HiFT's chunks. CosyVoice3's causal vocoder re-vocodes all the mel so
@@ -19,11 +18,24 @@ depend only on the chunk's hop. So the warm-up
    the request that first meets them: that call runs padded without a graph and the bucket is
    captured later, one graph at a time, while the token2wav device has no job queued and no stream
    open (graph_buckets.py, token2wav/batcher.py). Captured on first use, a compiled flow graph cost
-   the listener ~2 s: the first time two or three streams overlapped at a new length.
+   the listener ~2 s: the first time two or three streams overlapped at a new length;
+2. runs short streamed syntheses through every stage (`Warmup.requests`): where shapes are
+   captured, two zero-shot ones, with a prompt as long as the capture set covers
+   (`capture_prompt_tokens`, 10 s) and with half of it, so that the LM has prefilled a long and a
+   mid-length prompt and replayed the decode graphs that users' first chunks use before a user
+   comes: the LM's decode graphs are per attention-length bucket (256, 512, ... positions), and a
+   3.5-7 s prompt's first chunk decodes in the 256 bucket, a 10-s prompt's in the 512 one (with the
+   10-s request alone, a 6-s speaker's first request was the first to prefill that short a prompt
+   and to replay the 256 graph); else one cross-lingual request with a 1-s prompt;
+3. collects and freezes the heap (`settle_heap`, after the speakers' flow prefixes): a start leaves
+   half a million objects or more (a compiling one on the CPU box: 0.5 M, its full collections
+   0.1-0.45 s each), and every full collection after it, a stop of all threads for as long as it
+   scans them, could fall into a request; frozen, they are never scanned again.
 What is compiled is kept across restarts by compile_cache.py (`use_compile_cache`, re-exported here).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -107,17 +119,20 @@ class Warmup:
     def plan(self) -> CapturePlan:
         return capture_plan(self.config)
 
-    def request(self) -> SynthesisRequest:
-        """The warm-up request. Where shapes are captured, a zero-shot one with a prompt as long as the
-        capture set covers (`capture_prompt_tokens`): the LLM's prefill and the allocator meet the
-        longest common prompt before a user does; else a cross-lingual one with a 1-s prompt."""
+    def requests(self) -> list[SynthesisRequest]:
+        """The warm-up requests. Where shapes are captured, zero-shot ones with half of and with a
+        prompt as long as the capture set covers (`capture_prompt_tokens`): the LM's prefill lengths
+        and decode graphs that such prompts reach run (the module docstring), and the allocator
+        meets the longest common prompt, before a user's request; else one cross-lingual request
+        with a 1-s prompt."""
         options = SynthesisOptions(stream=True, seed=0, max_tokens=self.max_tokens)
         if not self.coverage:
-            return SynthesisRequest(Mode.CROSS_LINGUAL, text=WARM_TEXT, prompt_audio=sine_prompt(self.sample_rate),
-                                    options=options)
-        seconds = self.config.warmup.capture_prompt_tokens / SPEECH_TOKENS_PER_SECOND
-        return SynthesisRequest(Mode.ZERO_SHOT, text=WARM_TEXT, prompt_text=WARM_PROMPT_TEXT,
-                                prompt_audio=sine_prompt(self.sample_rate, seconds), options=options)
+            return [SynthesisRequest(Mode.CROSS_LINGUAL, text=WARM_TEXT, prompt_audio=sine_prompt(self.sample_rate),
+                                     options=options)]
+        longest = self.config.warmup.capture_prompt_tokens / SPEECH_TOKENS_PER_SECOND
+        return [SynthesisRequest(Mode.ZERO_SHOT, text=WARM_TEXT, prompt_text=WARM_PROMPT_TEXT,
+                                 prompt_audio=sine_prompt(self.sample_rate, seconds), options=options)
+                for seconds in sorted({min(longest, max(1.0, longest / 2)), longest})]
 
     async def run(self, synthesize) -> None:
         t = time.monotonic()
@@ -126,5 +141,26 @@ class Warmup:
             log.info("warm-up captured %d planned CUDA graph(s) in %.1f s (at 1..%d streams; prompt <= %d + "
                      "speech <= %d tokens at 1 stream)", self.captured, time.monotonic() - t, self.plan.max_streams,
                      self.config.warmup.capture_prompt_tokens, self.config.warmup.capture_speech_tokens)
-        await drain(synthesize(self.request()))
+        for request in self.requests():
+            await drain(synthesize(request))
         log.info("warm-up done in %.1f s", time.monotonic() - t)
+
+
+def settle_heap() -> int:
+    """A full garbage collection now, then everything alive frozen (`gc.freeze`): later collections
+    never scan the start's objects (modules, compiled programs, graphs), and the full collection
+    that the start's allocations made due runs here, not in the first request. Returns how many
+    objects were frozen. Objects of the start that later become cyclic garbage are not freed: the
+    start's objects live as long as the process."""
+    t = time.monotonic()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("heap settled: a full collection, then %d objects frozen, in %.2f s", frozen, time.monotonic() - t)
+    return frozen
+
+
+def release_heap() -> None:
+    """Undo `settle_heap` (a synthesizer's close): the frozen objects are collectable again, so the
+    interpreter's last collection frees them (else native extensions, Triton's, report them leaked at exit)."""
+    gc.unfreeze()

@@ -1,5 +1,7 @@
 """Warm-up: the fixed CUDA-graph capture set (from the config alone, never from the registered
-speakers), its coverage of the common path, Dynamo's recompiles across it; torch.compile's cache folder."""
+speakers), its coverage of the common path, Dynamo's recompiles across it; the LM lengths its
+requests run; the heap it leaves frozen; torch.compile's cache folder."""
+import gc
 import os
 
 import pytest
@@ -11,7 +13,8 @@ from async_cosyvoice.estimator.torch_backend import CompiledEstimator
 from async_cosyvoice.frontend.audio import load_audio
 from async_cosyvoice.graph_buckets import CapturePlan, batch_sizes
 from async_cosyvoice.model_dir import build_models, load_model_dir
-from async_cosyvoice.request import Mode
+from async_cosyvoice.models.llm import prompt_parts
+from async_cosyvoice.request import Mode, SynthesisOptions, SynthesisRequest
 from async_cosyvoice.token2wav import ChunkSchedule
 from async_cosyvoice.token2wav.flow_graphs import FlowGraphs
 from async_cosyvoice.token2wav.hift_graphs import HiFTGraphs
@@ -20,6 +23,7 @@ from async_cosyvoice.warmup import (
     capture_plan,
     chunk_mel_frames,
     compile_in_use,
+    sine_prompt,
     use_compile_cache,
 )
 
@@ -96,10 +100,54 @@ def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
             s.synth.warming.capture = capture
             seen.clear()
             s.call(s.synth.warming.run(synthesize))
-            assert [kind for kind, _ in seen] == ["capture", "request"]
-            assert seen[1][1] is Mode.ZERO_SHOT  # a 10-s generated prompt: the longest the set covers
+            # generated prompts of 5 and 10 s (the longest the set covers): test_warmup_runs_the_lm_...
+            assert seen[1:] == [("request", Mode.ZERO_SHOT), ("request", Mode.ZERO_SHOT)]
+            assert seen[0][0] == "capture"
             plans.append(seen[0][1])
     assert plans[0] == plans[1] == capture_plan(config)
+
+
+def test_warmup_runs_the_lm_decode_graphs_of_a_speakers_first_chunk(tiny_dir, tmp_path):
+    """Issue 23: the first request after SERVING (a speaker registered from a 6-s prompt) was the first
+    to run the LM decode graph of its first chunk's attention-length bucket (256 positions): the
+    warm-up's one request had a 10-s prompt (512). Now the warm-up's requests run the buckets of the
+    first chunks of 3.5-10 s prompts (and prefill a 5-s and a 10-s prompt)."""
+    config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")},
+                                    "warmup": {"coverage": True}})
+    first_chunk_tokens = config.token2wav.first_hop + 3  # the first hop and the flow's look-ahead
+    with SyncSynthesizer(config, warmup=False) as s:
+        synth = s.synth
+        runner = synth.engine.runner
+
+        def first_chunk_graphs(request: SynthesisRequest) -> set[tuple[int, int]]:
+            """The decode graphs (batch, attention length) of the steps of the request's first chunk."""
+            request = synth.rules.check(request)
+            (inputs,) = s.call(synth.model_inputs(request, s.call(synth.prepare_voice(request))))
+            prefill = sum(len(ids) for _, ids in prompt_parts(inputs.lm_text_tokens, inputs.llm_prompt_speech_token,
+                                                               runner.model.ids))
+            return {runner.decode_graph_key(1, prefill + k) for k in range(1, first_chunk_tokens + 1)}
+
+        warmed = set().union(*(first_chunk_graphs(r) for r in synth.warming.requests()))
+        assert warmed == {(1, 256), (1, 512)}
+        for seconds in (3.5, 6.0, 10.0):  # the server bench's speaker: 6 s
+            s.register_speaker("spk", TRANSCRIPT, sine_prompt(16000, seconds), overwrite=True)
+            graphs = first_chunk_graphs(SynthesisRequest(
+                Mode.ZERO_SHOT_BY_SPK_ID, text="The quick brown fox jumps over the lazy dog, and the morning "
+                "train leaves the station on time.", speaker_id="spk", options=SynthesisOptions(stream=True)))
+            assert graphs <= warmed, (seconds, graphs)
+
+
+def test_warmup_leaves_the_heap_collected_and_frozen(tiny_dir, tmp_path):
+    """The start's objects are frozen after the warm-up (no full collection in a request scans them),
+    and a synthesizer's close unfreezes them (the interpreter's last collection frees them)."""
+    config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")}})
+    with SyncSynthesizer(config, warmup=True) as s:
+        frozen = gc.get_freeze_count()
+        assert frozen > 100_000  # the modules, the ONNX sessions, the tokenizer, ...
+        assert len(gc.get_objects()) < frozen / 10  # what a full collection still scans
+        assert list(s.synthesize(SynthesisRequest(Mode.CROSS_LINGUAL, text="Hello.", prompt_audio=sine_prompt(16000),
+                                                  options=SynthesisOptions(max_tokens=20))))
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.slow

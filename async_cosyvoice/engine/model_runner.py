@@ -164,7 +164,7 @@ class ModelRunner:
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.long)
         uniforms, force = self._uniforms(seqs), self._force(seqs)
         if self.use_graphs:
-            key = (self._bucket(len(seqs), self._batch_buckets()), self._bucket(kv_len, self._kv_buckets()))
+            key = self.decode_graph_key(len(seqs), kv_len)
             graph, tokens = self.graphs.get(key) or self._capture(*key)
             self._graph_slots.fill_(self.scratch)
             self._graph_slots[:len(seqs)].copy_(slots, non_blocking=True)
@@ -265,6 +265,11 @@ class ModelRunner:
             sizes.append(n)
             n *= 2
         return sizes + [self.cfg.max_model_len]
+
+    def decode_graph_key(self, batch: int, kv_len: int) -> tuple[int, int]:
+        """The (batch, attention length) bucket whose CUDA graph runs a decode step of `batch` rows
+        attending over `kv_len` positions."""
+        return self._bucket(batch, self._batch_buckets()), self._bucket(kv_len, self._kv_buckets())
 
     @staticmethod
     def _bucket(n: int, buckets: list[int]) -> int:
