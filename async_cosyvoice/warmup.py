@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from .compile_cache import compile_cache_dir, compile_in_use, use_compile_cache  # noqa: F401 (re-exported)
+from .gc_pauses import watch_gc_pauses
 from .graph_buckets import CapturePlan, batch_sizes
 from .request import Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest
 from .token2wav import ChunkSchedule
@@ -151,8 +152,10 @@ def settle_heap() -> int:
     never scan the start's objects (modules, compiled programs, graphs), and the full collection
     that the start's allocations made due runs here, not in the first request. Returns how many
     objects were frozen. Objects of the start that later become cyclic garbage are not freed: the
-    start's objects live as long as the process."""
+    start's objects live as long as the process. From here on, long full collections are logged
+    (gc_pauses.py)."""
     t = time.monotonic()
+    watch_gc_pauses()
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from async_cosyvoice.config import Config
 from async_cosyvoice.estimator.torch_backend import CompiledEstimator
 from async_cosyvoice.frontend.audio import load_audio
+from async_cosyvoice.gc_pauses import GC_PAUSES
 from async_cosyvoice.graph_buckets import CapturePlan, batch_sizes
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.llm import prompt_parts
@@ -145,6 +146,7 @@ def test_warmup_leaves_the_heap_collected_and_frozen(tiny_dir, tmp_path):
         frozen = gc.get_freeze_count()
         assert frozen > 100_000  # the modules, the ONNX sessions, the tokenizer, ...
         assert len(gc.get_objects()) < frozen / 10  # what a full collection still scans
+        assert GC_PAUSES in gc.callbacks  # long full collections while serving are logged
         assert list(s.synthesize(SynthesisRequest(Mode.CROSS_LINGUAL, text="Hello.", prompt_audio=sine_prompt(16000),
                                                   options=SynthesisOptions(max_tokens=20))))
     assert gc.get_freeze_count() == 0
