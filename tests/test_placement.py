@@ -150,7 +150,9 @@ MODEL_CLASSES = (CosyVoice2LM, Flow, HiFT)
 
 
 def _live_models() -> list[int]:
-    """How many LM, flow and HiFT modules are alive in this process."""
+    """How many LM, flow and HiFT modules are alive in this process. The warm-up freezes the heap
+    (warmup.settle_heap), and gc.get_objects() does not list frozen objects: unfrozen first."""
+    gc.unfreeze()
     gc.collect()
     objects = gc.get_objects()
     return [sum(isinstance(o, cls) for o in objects) for cls in MODEL_CLASSES]
