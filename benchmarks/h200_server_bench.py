@@ -295,8 +295,10 @@ class ServerProcess:
         return ""
 
 
-# the server log's start-up lines (what was captured, the phase table, the compile cache), kept beside the tail
-STARTUP_LINE = re.compile(r"warm-up|start-up|compile cache|torch\.compile|CUDA graph|^  \S.*\d s$|SERVING")
+# the server log's start-up lines (what was captured, the phase table, the compile cache), kept beside the tail,
+# and the long full garbage collections while serving (gc_pauses.py), with the heap the warm-up froze
+STARTUP_LINE = re.compile(r"warm-up|start-up|compile cache|torch\.compile|CUDA graph|^  \S.*\d s$|SERVING|"
+                          r"heap settled|full garbage collection")
 # and its errors: a level's failed requests leave only a count in the results, the cause is here
 ERROR_LINE = re.compile(r" (ERROR|CRITICAL) |Traceback|Error: ")
 
