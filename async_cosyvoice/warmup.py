@@ -24,14 +24,15 @@ depend only on the chunk's hop. So the warm-up
    (`capture_prompt_tokens`, 10 s) and with half of it, so that the LM has prefilled a long and a
    mid-length prompt and replayed the decode graphs that users' first chunks use before a user
    comes: the LM's decode graphs are per attention-length bucket (256, 512, ... positions); the
-   5-s request's first chunk decodes in the 256 one, the 10-s request's in the 512 one, and so does
-   the first chunk of any prompt of up to 10 s with a sentence or two of text (with the 10-s request
-   alone, a 6-s speaker's first request was the first to prefill that short a prompt and to replay
-   the 256 graph); else one cross-lingual request with a 1-s prompt;
+   5-s request's first chunk decodes in the 256 one, the 10-s request's in the 512 one, the two
+   buckets that the first chunk of any prompt of up to 10 s with a sentence or two of text reaches
+   (with the 10-s request alone, a 6-s speaker's first request was the first to prefill that short
+   a prompt and to replay the 256 graph); else one cross-lingual request with a 1-s prompt;
 3. collects and freezes the heap (`settle_heap`, after the speakers' flow prefixes): a start leaves
-   half a million objects or more (a compiling one on the CPU box: 0.5 M, its full collections
-   0.1-0.45 s each), and every full collection after it, a stop of all threads for as long as it
-   scans them, could fall into a request; frozen, they are never scanned again.
+   hundreds of thousands of objects (on the CPU box 356 k eager, 501 k with the estimator compiled;
+   a full collection of them took 0.2-0.3 s there), and every full collection after it, a stop of
+   all threads for as long as it scans them, could fall into a request; frozen, they are never
+   scanned again.
 What is compiled is kept across restarts by compile_cache.py (`use_compile_cache`, re-exported here).
 """
 from __future__ import annotations
