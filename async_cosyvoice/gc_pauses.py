@@ -48,3 +48,9 @@ def watch_gc_pauses() -> GCPauses:
     if GC_PAUSES not in gc.callbacks:
         gc.callbacks.append(GC_PAUSES)
     return GC_PAUSES
+
+
+def unwatch_gc_pauses() -> None:
+    """Stop watching (a closing server: its last collections are no pause of a request)."""
+    if GC_PAUSES in gc.callbacks:
+        gc.callbacks.remove(GC_PAUSES)

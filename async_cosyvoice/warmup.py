@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from .compile_cache import compile_cache_dir, compile_in_use, use_compile_cache  # noqa: F401 (re-exported)
-from .gc_pauses import watch_gc_pauses
+from .gc_pauses import unwatch_gc_pauses, watch_gc_pauses
 from .graph_buckets import CapturePlan, batch_sizes
 from .request import Audio, AudioChunk, Mode, SynthesisOptions, SynthesisRequest
 from .token2wav import ChunkSchedule
@@ -167,5 +167,7 @@ def settle_heap() -> int:
 
 def release_heap() -> None:
     """Undo `settle_heap` (a synthesizer's close): the frozen objects are collectable again, so the
-    interpreter's last collection frees them (else native extensions, Triton's, report them leaked at exit)."""
+    interpreter's last collection frees them (else native extensions, Triton's, report them leaked
+    at exit); that collection and the others of the shutdown are not logged as pauses."""
+    unwatch_gc_pauses()
     gc.unfreeze()
