@@ -27,7 +27,9 @@ depend only on the chunk's hop. So the warm-up
    5-s request's first chunk decodes in the 256 one, the 10-s request's in the 512 one, the two
    buckets that the first chunk of any prompt of up to 10 s with a sentence or two of text reaches
    (with the 10-s request alone, a 6-s speaker's first request was the first to prefill that short
-   a prompt and to replay the 256 graph); else one cross-lingual request with a 1-s prompt;
+   a prompt and to replay the 256 graph); else one cross-lingual request with a 1-s prompt; then
+   captures what those requests met beyond the plan (they ran it without a graph), so that no
+   capture is left for an idle moment after SERVING, when a first request could arrive during it;
 3. collects and freezes the heap (`settle_heap`, after the speakers' flow prefixes): a start leaves
    hundreds of thousands of objects (on the CPU box 356 k eager, 501 k with the estimator compiled;
    a full collection of them took 0.2-0.3 s there), and every full collection after it, a stop of
@@ -146,6 +148,11 @@ class Warmup:
                      self.config.warmup.capture_prompt_tokens, self.config.warmup.capture_speech_tokens)
         for request in self.requests():
             await drain(synthesize(request))
+        if self.captured is not None:
+            # buckets of the requests the plan did not hold ran without a graph and are wanted: captured
+            # now (the plan's are all there already), so the first requests after SERVING never wait
+            # behind an idle capture
+            self.captured += await self.capture(self.plan)
         log.info("warm-up done in %.1f s", time.monotonic() - t)
 
 
