@@ -237,6 +237,17 @@ class Token2WavPool:
     def stage_stats_list(self) -> list[StageStats]:
         return [w.batcher.stage_stats for w in self.workers]
 
+    def stream_started(self) -> None:
+        """A request started (Synthesizer._held): it holds every device's batcher, whichever its
+        segments are picked for, so none captures a CUDA graph before it ends. The workers' own
+        counts (what `pick` balances) are of segments, not touched here."""
+        for w in self.workers:
+            w.batcher.stream_started()
+
+    def stream_ended(self) -> None:
+        for w in self.workers:
+            w.batcher.stream_ended()
+
     def pick(self) -> Token2WavWorker:
         worker = min(self.workers, key=lambda w: (w.open_streams, w.served))
         worker.served += 1

@@ -178,14 +178,18 @@ class Synthesizer:
         # anything starts a process or a device stage, so a failure leaves nothing running.
         with ThreadPoolExecutor(1, thread_name_prefix="load-front") as loader:
             loading_front = loader.submit(RequestFront.load, config, model_dir)
-            compile_cache = None
-            if compile_in_use(config):
-                use_compile_cache(config)
-                compile_cache = open_compile_cache(config, model_dir.path, device)
-            # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
-            # Flow and HiFT belong to the token2wav stage (token2wav_worker), loaded there.
-            models = build_models(model_dir, device=device, llm_dtype=getattr(torch, config.model.llm_dtype),
-                                  with_llm=config.engine.kind == "native", with_token2wav=False)
+            try:
+                compile_cache = None
+                if compile_in_use(config):
+                    use_compile_cache(config)
+                    compile_cache = open_compile_cache(config, model_dir.path, device)
+                # vLLM loads the LM itself (its export of llm.pt); only the native engine needs our module.
+                # Flow and HiFT belong to the token2wav stage (token2wav_worker), loaded there.
+                models = build_models(model_dir, device=device, llm_dtype=getattr(torch, config.model.llm_dtype),
+                                      with_llm=config.engine.kind == "native", with_token2wav=False)
+            except BaseException:  # the front that loaded beside a failed build is closed, not left behind
+                loading_front.add_done_callback(lambda f: f.exception() is None and f.result().close())
+                raise
             front = loading_front.result()
         front.limit_to_device(device_memory(config.model.device))
         engine = create_engine(config, models.llm, model_dir)
@@ -325,9 +329,27 @@ class Synthesizer:
             async for chunk in chunks:
                 yield chunk
 
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """A request holds every token2wav device like an open stream from its start to its end, so
+        no CUDA graph is captured between its segments (token2wav/batcher.py): not while a streamed
+        text's next sentence is awaited, nor while a token2wav process learns of the next segment.
+        Each segment's own stream is counted too (Utterance.run), which is what a pool's `pick` reads."""
+        self.batcher.stream_started()
+        try:
+            yield
+        finally:
+            self.batcher.stream_ended()
+
     async def speak(self, request: SynthesisRequest, inputs: list[ModelInput]) -> AsyncIterator[AudioChunk]:
         """A checked request's model inputs (`model_inputs`) -> its chunks: the devices' part of
         `synthesize`, which a device worker process runs for the server's front (worker_pool.py)."""
+        with self._held():
+            async with contextlib.aclosing(self._speak(request, inputs)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _speak(self, request: SynthesisRequest, inputs: list[ModelInput]) -> AsyncIterator[AudioChunk]:
         playback = Playback(time.monotonic(), self.sample_rate)
         t2w = self.config.token2wav
         if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
@@ -384,6 +406,13 @@ class Synthesizer:
         of `synthesize_stream`, which a device worker process runs for the server's front
         (worker_pool.py). bistream: one LM request fed the token ids as they arrive; sentence: an
         utterance per list (a text segment), read ahead while the earlier ones speak."""
+        with self._held():
+            async with contextlib.aclosing(self._speak_stream(request, voice, instruction, mode, text_tokens)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _speak_stream(self, request: SynthesisRequest, voice: Voice, instruction: list[int], mode: TextMode,
+                            text_tokens: AsyncIterator[list[int]]) -> AsyncIterator[AudioChunk]:
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
             model_input = self.front.model_input(request.mode, voice, instruction_tokens=instruction)

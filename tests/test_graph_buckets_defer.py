@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from async_cosyvoice.estimator.torch_backend import CompiledEstimator
 from async_cosyvoice.graph_buckets import GraphBuckets
 from async_cosyvoice.model_dir import build_models, load_model_dir
 
@@ -59,8 +60,8 @@ def test_off_cuda_calls_run_padded_and_want_nothing():
 
 
 def test_the_estimators_example_is_a_finite_call_of_its_bucket(tiny_dir):
-    """What `capture_wanted` captures the estimator with: its bucket's static shapes, no NaN."""
-    from async_cosyvoice.estimator.torch_backend import CompiledEstimator
+    """What `capture_wanted` captures the estimator with: its bucket's static shapes (all that
+    reaches the capture), and values that make a finite call of the bucket."""
 
     module = build_models(load_model_dir(tiny_dir), with_llm=False).flow.decoder.estimator
     est = CompiledEstimator(module, compile=False, cuda_graphs=False, batch_buckets=(2, 4))

@@ -10,6 +10,7 @@ graph holders' so that the batcher's order of batches and captures can be read b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -263,11 +264,45 @@ def test_the_open_stream_count_returns_to_zero_however_a_request_ends(synth):
                 pass
         return open_at_stall, batcher.open_streams
 
+    # 2 while a request speaks: the request's hold (Synthesizer._held) and its segment's stream
     seen, after = synth.call(finished())
-    assert seen and all(n == 1 for n in seen) and after == 0
-    assert synth.call(closed_by_its_consumer()) == (1, 0)
-    assert synth.call(cancelled()) == (1, 0)
-    assert synth.call(failed()) == ([1], 0)
+    assert seen and all(n == 2 for n in seen) and after == 0
+    assert synth.call(closed_by_its_consumer()) == (2, 0)
+    assert synth.call(cancelled()) == (2, 0)
+    assert synth.call(failed()) == ([2], 0)
+
+
+def test_a_request_holds_the_device_between_its_segments(synth):
+    """Sentence mode: while a streamed text's next sentence is awaited, none of the request's
+    segments is open, but the request still holds the device, so no capture can start then."""
+    s = synth.synth
+    batcher = s.batcher
+
+    async def scenario():
+        more = asyncio.Event()
+
+        async def text():
+            yield "A first sentence to speak."
+            yield FLUSH
+            while not more.is_set():  # an empty FLUSH now and then: alive for limits.text_idle_seconds
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(more.wait(), 0.1)
+                yield FLUSH
+            yield "And a second one."
+
+        chunks = s.synthesize_stream(text(), _request(max_tokens=None, text=""), text_mode="sentence")
+        async with contextlib.aclosing(chunks):
+            while not (chunk := await anext(chunks)).segment_tokens:  # the first segment's last chunk
+                pass
+            nxt = asyncio.ensure_future(anext(chunks))
+            # no chunk can come before the text goes on; the request closes its first segment meanwhile
+            done, _ = await asyncio.wait({nxt}, timeout=1.0)
+            between = (bool(done), batcher.open_streams)
+            more.set()
+            rest = [await nxt] + [c async for c in chunks]
+        return between, rest[-1].is_final, batcher.open_streams
+
+    assert synth.call(scenario()) == ((False, 1), True, 0)
 
 
 def test_the_warm_up_captures_what_its_own_requests_wanted(models):

@@ -160,8 +160,10 @@ class CompiledEstimator(GraphBuckets):
         return (Bb,) + tuple(example.shape[1:])  # t, streaming (B,); spks (B, channels)
 
     def _example(self, bucket: Bucket) -> dict[str, Tensor]:
-        """A call of the bucket's shapes to capture it with: zeros, a mask of ones (every frame
-        live: no fully masked row, whose softmax would be NaN), chunked (streaming) attention."""
+        """A call of the bucket's shapes and dtypes to capture it with (`warmup`, `capture_wanted`).
+        Only shapes and dtypes reach the capture (GraphBuckets._capture records on zero buffers of
+        them: nothing in the graph branches on values); the values are a finite call of the bucket
+        (a mask of ones, chunked attention), which the CPU test runs."""
         Bb, Tb = bucket
         C = self.module.dims.out_channels
         z = torch.zeros(Bb, C, Tb, dtype=self.dtype, device=self.device)

@@ -20,8 +20,8 @@ when `offline` limits are given; its batches run in the same device thread.
 CUDA graphs of buckets first met by a request (graph_buckets.py: such a call runs without a
 graph and leaves its bucket wanted) are captured here, one at a time in the device thread, and
 only while nothing would wait for them: no job queued and no stream open (`stream_started` /
-`stream_ended`, which utterance.Utterance.run brackets each segment with: a stream still playing
-would underrun behind a capture of up to ~2 s). The loop wakes when the last stream ends and
+`stream_ended`, which the Synthesizer brackets each request with and utterance.Utterance.run each
+segment: a stream still playing would underrun behind a capture of up to ~2 s). The loop wakes when the last stream ends and
 rechecks for jobs between captures, so a new request waits for at most one capture.
 
 The device work runs in one executor thread, so the event loop never blocks and the model sees
@@ -151,8 +151,9 @@ class Token2WavBatcher:
     def stream_ended(self) -> None:
         """A stream's utterance ended (finished, failed or cancelled). The last one to end lets the
         batcher capture the graphs its calls wanted."""
-        if self.open_streams <= 0:
-            raise RuntimeError("stream_ended without stream_started")
+        if self.open_streams <= 0:  # a bookkeeping slip must not take the device down (nor hide a request's error)
+            log.error("token2wav stream_ended without stream_started: ignored")
+            return
         self.open_streams -= 1
         self._capture_if_idle()
 
@@ -221,8 +222,7 @@ class Token2WavBatcher:
                 new += n
             holders = self.runner.graph_holders()
             before, t = sum(len(g.graphs) for g in holders), time.perf_counter()
-            while self.runner.capture_wanted():
-                pass
+            self.runner.capture_all_wanted()
             if left := sum(len(g.graphs) for g in holders) - before:
                 log.info("warm-up: %d CUDA graph(s) its requests wanted captured in %.1f s", left, time.perf_counter() - t)
             return new + left

@@ -449,6 +449,14 @@ class Token2WavRunner:
         with self.cuda_stream():
             return any(g.capture_wanted() for g in self.graph_holders())
 
+    def capture_all_wanted(self) -> int:
+        """`capture_wanted` until nothing is wanted (the warm-up's end, a benchmark between rounds);
+        returns how many captures ran. Device thread only."""
+        n = 0
+        while self.capture_wanted():
+            n += 1
+        return n
+
     def run(self, job: Token2WavJob) -> Tensor:
         """Compute one job and apply it to its stream; returns the emitted samples (1-D float32, CPU)."""
         return self.run_many([job])[0]
