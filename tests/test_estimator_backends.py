@@ -20,11 +20,12 @@ import numpy as np
 import onnx
 import pytest
 from conftest import next_job_upto
+from estimator_inputs import estimator_inputs
 import torch
 
 from async_cosyvoice.estimator import MissingBackendError, TorchEstimator, make_estimator
 from async_cosyvoice.estimator.base import INPUT_NAMES, OUTPUT_NAME, RowSplitEstimator
-from async_cosyvoice.estimator.onnx_export import cached_export, dummy_inputs, export_key
+from async_cosyvoice.estimator.onnx_export import cached_export, export_key
 from async_cosyvoice.estimator.torch_backend import CompiledEstimator
 from async_cosyvoice.graph_buckets import GRAPH_MEMORY_RESERVE, batch_bucket, length_bucket, room_for_graphs
 from async_cosyvoice.model_dir import build_models, load_model_dir
@@ -50,16 +51,6 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ort_estimator(models, cache_dir, tiny_dir):
     return make_estimator("onnxruntime", models.flow, cache_dir=cache_dir, flow_pt=tiny_dir / "flow.pt", threads=1)
-
-
-def _inputs(module, batch, frames, seed):
-    x, mask, mu, t, spks, cond = dummy_inputs(module, batch, frames)
-    g = torch.Generator().manual_seed(seed)
-    x, mu, cond = (torch.randn(a.shape, generator=g) for a in (x, mu, cond))
-    t = torch.rand(batch, generator=g)
-    for b in range(1, batch, 2):  # every other row padded: shorter valid length
-        mask[b, :, frames - frames // 3 - b:] = 0
-    return x, mask, mu, t, spks, cond
 
 
 def test_onnx_graph_inputs_and_dynamic_axes(ort_estimator, cache_dir):
@@ -94,7 +85,7 @@ def test_export_cache(models, cache_dir, ort_estimator, tiny_dir):
 @pytest.mark.parametrize("streaming", [False, True, "mixed"])
 def test_onnxruntime_matches_eager(models, ort_estimator, batch, frames, streaming):
     module = models.flow.decoder.estimator
-    args = _inputs(module, batch, frames, seed=batch * frames)
+    args = estimator_inputs(module, batch, frames, seed=batch * frames)
     flag = torch.arange(batch) % 2 == 0 if streaming == "mixed" else streaming
     with torch.inference_mode():
         want = module(*args, flag)
@@ -134,7 +125,7 @@ def test_onnxruntime_without_chunked_graph_falls_back(models, ort_estimator):
     module = models.flow.decoder.estimator
     full_only = RowSplitEstimator("onnxruntime", ort_estimator.full, None, TorchEstimator(module))
     assert not full_only.supports_streaming
-    args = _inputs(module, 4, 120, seed=1)
+    args = estimator_inputs(module, 4, 120, seed=1)
     flag = torch.tensor([True, False, True, False])
     with torch.inference_mode():
         assert (full_only(*args, flag) - module(*args, flag)).abs().max() <= ORT_ATOL
@@ -155,13 +146,13 @@ def test_compiled_bucket_padding_is_exact(models):
     """Eager run of the padded shapes a CUDA graph would see: batch 6 -> 8 rows, 100 -> 128 frames."""
     module = models.flow.decoder.estimator
     est = CompiledEstimator(module, compile=False, cuda_graphs=False, pad_to_buckets=True, batch_buckets=(2, 4, 8))
-    args = _inputs(module, 6, 100, seed=3)
+    args = estimator_inputs(module, 6, 100, seed=3)
     for flag in (False, True, torch.tensor([True, False] * 3)):
         with torch.inference_mode():
             err = (est(*args, flag) - module(*args, flag)).abs().max().item()
         assert err <= PAD_ATOL, (flag, err)
     assert (est.replays, est.fallbacks) == (3, 0)
-    wide = _inputs(module, 10, 70, seed=4)  # past the largest batch bucket: the module as is
+    wide = estimator_inputs(module, 10, 70, seed=4)  # past the largest batch bucket: the module as is
     with torch.inference_mode():
         assert (est(*wide) - module(*wide)).abs().max().item() <= PAD_ATOL
     assert (est.replays, est.fallbacks) == (3, 1)
@@ -179,7 +170,7 @@ def test_compiled_graphs_match_the_padded_eager_call(models):
     calls = [(6, 100), (2, 64), (6, 90), (3, 130)]
     for graphed in (False, True):  # first calls run padded without a graph; then their graphs replay
         for seed, (batch, frames) in enumerate(calls):
-            args = [a.to("cuda") for a in _inputs(module, batch, frames, seed=seed)]
+            args = [a.to("cuda") for a in estimator_inputs(module, batch, frames, seed=seed)]
             flag = torch.tensor([True, False] * (batch // 2) + [True] * (batch % 2), device="cuda")
             with torch.inference_mode():
                 out, ref = graphs(*args, flag), padded(*args, flag)
@@ -190,7 +181,7 @@ def test_compiled_graphs_match_the_padded_eager_call(models):
             while graphs.capture_wanted():  # captured from _example inputs
                 pass
     assert sorted(graphs.graphs) == [(2, 64), (4, 192), (8, 128)] and graphs.replays == 4
-    wide = [a.to("cuda") for a in _inputs(module, 10, 70, seed=9)]
+    wide = [a.to("cuda") for a in estimator_inputs(module, 10, 70, seed=9)]
     with torch.inference_mode():
         assert (graphs(*wide) - module(*wide)).abs().max().item() <= 1e-3  # TF32 convolutions
     assert graphs.fallbacks == 1 and len(graphs.graphs) == 3
@@ -238,7 +229,7 @@ def test_dynamo_export_matches_eager(models, tmp_path):
     path = export_estimator(module, tmp_path / "est.onnx", streaming=True, exporter="dynamo")
     assert [i.name for i in onnx.load(str(path)).graph.input] == list(INPUT_NAMES)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    args = _inputs(module, 4, 150, seed=5)
+    args = estimator_inputs(module, 4, 150, seed=5)
     got = sess.run([OUTPUT_NAME], {n: a.numpy() for n, a in zip(INPUT_NAMES, args)})[0]
     with torch.inference_mode():
         want = module(*args, True)
@@ -250,7 +241,7 @@ def test_torch_compile_on_cpu(models):
     """torch.compile without CUDA graphs on the CPU (inductor C++; slow)."""
     module = models.flow.decoder.estimator
     est = make_estimator("compiled", models.flow)
-    args = _inputs(module, 2, 80, seed=7)
+    args = estimator_inputs(module, 2, 80, seed=7)
     with torch.inference_mode():
         assert (est(*args, True) - module(*args, True)).abs().max() <= 1e-4
 

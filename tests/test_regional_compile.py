@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from estimator_inputs import estimator_inputs
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 from async_cosyvoice.config import Token2WavConfig
 from async_cosyvoice.estimator import compile_estimator, make_estimator
-from async_cosyvoice.estimator.onnx_export import dummy_inputs
 from async_cosyvoice.estimator.torch_backend import CompiledEstimator, TorchEstimator
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.models.cosyvoice3.dit import DiT, DiTBlock
@@ -26,16 +26,6 @@ PAD_ATOL = 1e-5  # summation order only, as the whole-module compiled estimator 
 @pytest.fixture(scope="module")
 def models(tiny_dir):
     return build_models(load_model_dir(tiny_dir))
-
-
-def _inputs(module, batch, frames, seed):
-    x, mask, mu, t, spks, cond = dummy_inputs(module, batch, frames)
-    g = torch.Generator().manual_seed(seed)
-    x, mu, cond = (torch.randn(a.shape, generator=g) for a in (x, mu, cond))
-    t = torch.rand(batch, generator=g)
-    for b in range(1, batch, 2):  # every other row padded: shorter valid length
-        mask[b, :, frames - frames // 3 - b:] = 0
-    return x, mask, mu, t, spks, cond
 
 
 def _programs(cls) -> int:
@@ -57,7 +47,7 @@ def test_regional_estimator_matches_eager_and_traces_each_block_class_once(model
     # two buckets, (2, 192) and (4, 256) frames; no frame count equal to a channel count (duck sizing would
     # tie the two and specialise the first program to it)
     for seed, (batch, frames) in enumerate([(2, 150), (3, 230)]):
-        args = _inputs(module, batch, frames, seed)
+        args = estimator_inputs(module, batch, frames, seed)
         for flag in (False, torch.tensor([True, False, True][:batch])):
             with torch.inference_mode():
                 err = (est(*args, flag) - module(*args, flag)).abs().max().item()
@@ -109,7 +99,7 @@ def test_cosyvoice3_dit_regional_matches_eager():
     torch._dynamo.reset()
     counters.clear()
     est = CompiledEstimator(module, compile_regions=True, cuda_graphs=False, pad_to_buckets=True, batch_buckets=(2,))
-    args = _inputs(module, 2, 150, seed=5)
+    args = estimator_inputs(module, 2, 150, seed=5)
     with torch.inference_mode():
         err = (est(*args, False) - module(*args, False)).abs().max().item()
     assert err <= PAD_ATOL and est._compiled
