@@ -454,19 +454,25 @@ async def _wait_idle(engine: VLLMEngine, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _generating(engine, req) -> tuple[asyncio.Task, list[int]]:
+    """`req` under way: the task that consumes it and the ids it has given so far (5 or more)."""
+    got: list[int] = []
+
+    async def consume():
+        async for ids in engine.generate(req):
+            got.extend(ids)
+
+    task = asyncio.create_task(consume())
+    while len(got) < 5:
+        assert not task.done()
+        await asyncio.sleep(0.005)
+    return task, got
+
+
 def test_abort_mid_generation(engine, runner):
     async def scenario(explicit: bool):
         req = crafted_request(f"abort-{explicit}", RASParams(), 0, 400, ignore_stop_tokens=True)
-        got: list[int] = []
-
-        async def consume():
-            async for ids in engine.generate(req):
-                got.extend(ids)
-
-        task = asyncio.create_task(consume())
-        while len(got) < 5:
-            assert not task.done()
-            await asyncio.sleep(0.005)
+        task, got = await _generating(engine, req)
         busy = engine.stats()
         if explicit:
             await engine.abort(req.request_id)
@@ -614,16 +620,7 @@ def test_out_of_memory_on_a_requests_path_is_device_out_of_memory(engine, runner
 
     async def scenario():
         req = crafted_request("oom-path", RASParams(), 0, 400, ignore_stop_tokens=True)
-        got: list[int] = []
-
-        async def consume():
-            async for ids in engine.generate(req):
-                got.extend(ids)
-
-        task = asyncio.create_task(consume())
-        while len(got) < 5:
-            assert not task.done()
-            await asyncio.sleep(0.005)
+        task, got = await _generating(engine, req)
         engine.llm.output_processor.propagate_error(oom)
         with pytest.raises(DeviceOutOfMemory) as info:
             await asyncio.wait_for(task, 10)
