@@ -224,8 +224,8 @@ class WarmupConfig(_Section):
     # the set, from these alone (never from which speakers exist): at 1 stream every flow bucket of a prompt
     # of <= capture_prompt_tokens plus <= capture_speech_tokens (25 tokens a second: 10 s + 10 s) and HiFT's
     # chunks; at 2, 4, ... up to capture_streams streams the first chunks of such prompts and HiFT's chunks.
-    # Other buckets run without a graph until the token2wav device is idle (no job, no open stream), which
-    # captures them then, one at a time (0.2-2 s each: never on a request's path; graph_buckets.py)
+    # Other buckets run without a graph until the token2wav stage's capture thread has captured them, one at a
+    # time beside the batches (0.2-2 s each: never on a request's path; graph_buckets.py)
     capture_streams: int = Field(1, ge=1)
     capture_prompt_tokens: int = Field(250, ge=1)
     capture_speech_tokens: int = Field(250, ge=1)

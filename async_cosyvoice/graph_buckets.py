@@ -12,12 +12,18 @@ vocoder, which re-renders all the mel so far, filled an 80 GB card with graphs a
 Captures never run on a request's path. `warmup` captures the start-up plan's buckets ahead. A
 call of a bucket that has no graph yet runs the bucket's function without a graph on its inputs
 padded to the bucket (the same computation the graph would replay) and records the bucket as
-wanted; `capture_wanted` captures the oldest wanted bucket, and the token2wav stage calls it in its
-device thread only while no job waits and no stream is open (token2wav/batcher.py). Why: with
-torch.compile'd regions a flow capture takes ~2 s (16 in 29.5 s on an H100), and captured on first
+wanted; `capture_wanted` captures the oldest wanted bucket. The token2wav stage calls it in a
+capture thread of its own, beside the device thread that keeps running the batches
+(token2wav/batcher.py): a capture is recorded on a side stream in `thread_local` mode
+(cuda_graph.py), so the other thread's calls, this holder's included, go on meanwhile. Why: with
+torch.compile'd regions a flow capture takes 1-2 s (16 in 29.5 s on an H100). Captured on first
 use, the first time two or three streams overlapped at a new length a listener waited that long
-(p99 first chunk 1.9 s at 0.35 req/s). A capture that fails (e.g. out of memory) is logged, and
-its bucket runs without a graph from then on, as one past the buckets.
+(p99 first chunk 1.9 s at 0.35 req/s); captured in the device thread while it was idle, a request
+arriving during a capture waited for it, and under steady traffic the device was never idle, so
+buckets stayed ungraphed (4x H100, 2026-11-28: docs/performance.md). A capture that fails (e.g.
+out of memory) is logged, and its bucket runs without a graph from then on, as one past the
+buckets. `wanted` and `graphs` change under a lock: the device thread adds wanted buckets while
+the capture thread takes them.
 
 All graphs share one memory pool, so each call's outputs are overwritten by the next replay:
 callers copy out what they keep. Off CUDA (`cuda_graphs=False`) the call runs on inputs padded to
@@ -29,6 +35,7 @@ A subclass says what runs in a bucket (`_fn`), the static shape of each input th
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -110,6 +117,7 @@ class GraphBuckets:
         self._pool = None
         self._warned_full = False
         self._warned_memory = False
+        self._lock = threading.Lock()  # over `wanted` (and `_failed`): two threads change them
         self.wanted: dict[Bucket, None] = {}  # buckets called before their graph, oldest first
         self._failed: set[Bucket] = set()     # buckets whose capture failed: they run without a graph
         self.replays = 0    # calls that ran in a graph (or, off CUDA, padded to a bucket)
@@ -180,21 +188,26 @@ class GraphBuckets:
         """Capture the oldest wanted bucket that still has room (`_has_room`; those without are
         dropped), from `_example` inputs. Returns whether a capture ran (False: nothing was
         wanted). A failed capture is logged and its bucket runs without a graph from then on.
-        Call it in the thread that runs this object's calls (the token2wav device thread)."""
-        while self.wanted:
-            bucket = next(iter(self.wanted))
-            del self.wanted[bucket]
+        One thread captures at a time (all graphs share one memory pool); another may run this
+        object's calls meanwhile, a call of the bucket being captured included (it runs without
+        the graph until the capture is done)."""
+        while True:
+            with self._lock:
+                if not self.wanted:
+                    return False
+                bucket = next(iter(self.wanted))
+                del self.wanted[bucket]
             if bucket in self.graphs or not self._has_room(bucket):
                 continue
             try:
                 with torch.inference_mode():
                     self._capture(bucket, self._example(bucket))
             except Exception as e:  # noqa: BLE001 — e.g. CUDA out of memory: the bucket runs without a graph
-                self._failed.add(bucket)
+                with self._lock:
+                    self._failed.add(bucket)
                 log.warning("capturing the %s CUDA graph for batch %s %s failed (%s: %s): its calls run without "
                             "a graph", self.what, " x ".join(map(str, bucket)), self.unit, type(e).__name__, e)
             return True
-        return False
 
     def _run(self, bucket: Bucket, inputs: dict[str, Tensor]) -> Any:
         """The bucket's call on `inputs` (each at most the bucket's shape): its graph replayed, or
@@ -206,7 +219,9 @@ class GraphBuckets:
             return graph(**inputs)
         if self.cuda_graphs:
             self.deferred += 1
-            self.wanted[bucket] = None
+            with self._lock:
+                if bucket not in self._failed:
+                    self.wanted[bucket] = None
         else:
             self.replays += 1
         return self._fn(bucket)(**self._padded(bucket, inputs))
@@ -217,7 +232,8 @@ class GraphBuckets:
         log.info("capturing the %s CUDA graph for batch %s %s", self.what, " x ".join(map(str, bucket)), self.unit)
         buffers = self._buffers(bucket, inputs)
         with CAPTURES.capturing(self.what):
-            graph = self.graphs[bucket] = CapturedCall(self._fn(bucket), buffers, self.device, self._pool)
+            graph = CapturedCall(self._fn(bucket), buffers, self.device, self._pool)
+        self.graphs[bucket] = graph  # complete: the device thread's next call of the bucket replays it
         return graph
 
     def _padded(self, bucket: Bucket, inputs: dict[str, Tensor]) -> dict[str, Tensor]:

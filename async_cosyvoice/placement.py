@@ -199,8 +199,8 @@ class ReplicaRouter:
 class Token2WavWorker:
     """One device's token2wav batcher (in this process or a child's), counting the streams it
     serves: a segment's stream is open from the start of its Utterance.run to its end, however it
-    ends (`stream_started` / `stream_ended`, passed on to the batcher, which captures CUDA graphs
-    only while none is open). `submit` is the batcher's."""
+    ends (`stream_started` / `stream_ended`, passed on to the batcher's own count). `submit` is the
+    batcher's."""
 
     def __init__(self, batcher: Token2WavBatcher | Token2WavProcess, device: str):
         self.batcher = batcher
@@ -236,17 +236,6 @@ class Token2WavPool:
 
     def stage_stats_list(self) -> list[StageStats]:
         return [w.batcher.stage_stats for w in self.workers]
-
-    def stream_started(self) -> None:
-        """A request started (Synthesizer._held): it holds every device's batcher, whichever its
-        segments are picked for, so none captures a CUDA graph before it ends. The workers' own
-        counts (what `pick` balances) are of segments, not touched here."""
-        for w in self.workers:
-            w.batcher.stream_started()
-
-    def stream_ended(self) -> None:
-        for w in self.workers:
-            w.batcher.stream_ended()
 
     def pick(self) -> Token2WavWorker:
         worker = min(self.workers, key=lambda w: (w.open_streams, w.served))

@@ -329,26 +329,9 @@ class Synthesizer:
             async for chunk in chunks:
                 yield chunk
 
-    async def _held(self, chunks: AsyncIterator[AudioChunk]) -> AsyncIterator[AudioChunk]:
-        """A request's `chunks`, the request holding every token2wav device like an open stream from
-        its start to its end, so no CUDA graph is captured between its segments (token2wav/batcher.py):
-        not while a streamed text's next sentence is awaited, nor while a token2wav process learns of
-        the next segment. Each segment's own stream is counted too (Utterance.run), which is what a
-        pool's `pick` reads."""
-        self.batcher.stream_started()
-        try:
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            self.batcher.stream_ended()
-
-    def speak(self, request: SynthesisRequest, inputs: list[ModelInput]) -> AsyncIterator[AudioChunk]:
+    async def speak(self, request: SynthesisRequest, inputs: list[ModelInput]) -> AsyncIterator[AudioChunk]:
         """A checked request's model inputs (`model_inputs`) -> its chunks: the devices' part of
         `synthesize`, which a device worker process runs for the server's front (worker_pool.py)."""
-        return self._held(self._speak(request, inputs))
-
-    async def _speak(self, request: SynthesisRequest, inputs: list[ModelInput]) -> AsyncIterator[AudioChunk]:
         playback = Playback(time.monotonic(), self.sample_rate)
         t2w = self.config.token2wav
         if not request.options.stream and t2w.offline and len(inputs) > 1:  # no listener between segments
@@ -399,16 +382,12 @@ class Synthesizer:
             async for chunk in chunks:
                 yield chunk
 
-    def speak_stream(self, request: SynthesisRequest, voice: Voice, instruction: list[int], mode: TextMode,
-                     text_tokens: AsyncIterator[list[int]]) -> AsyncIterator[AudioChunk]:
+    async def speak_stream(self, request: SynthesisRequest, voice: Voice, instruction: list[int], mode: TextMode,
+                           text_tokens: AsyncIterator[list[int]]) -> AsyncIterator[AudioChunk]:
         """A text stream's token ids (`RequestFront.stream_tokens`) -> its chunks: the devices' part
         of `synthesize_stream`, which a device worker process runs for the server's front
         (worker_pool.py). bistream: one LM request fed the token ids as they arrive; sentence: an
         utterance per list (a text segment), read ahead while the earlier ones speak."""
-        return self._held(self._speak_stream(request, voice, instruction, mode, text_tokens))
-
-    async def _speak_stream(self, request: SynthesisRequest, voice: Voice, instruction: list[int], mode: TextMode,
-                            text_tokens: AsyncIterator[list[int]]) -> AsyncIterator[AudioChunk]:
         playback = Playback(time.monotonic(), self.sample_rate)
         if mode == "bistream":
             model_input = self.front.model_input(request.mode, voice, instruction_tokens=instruction)

@@ -25,8 +25,8 @@ from .token2wav import Token2WavJob, Token2WavStream
 
 class Token2WavSink(Protocol):
     """A token2wav batcher (or one device's worker of a pool). `stream_started` / `stream_ended`
-    bracket each segment's stream (`Utterance.run`): the batcher captures CUDA graphs only while
-    no stream is open (token2wav/batcher.py)."""
+    bracket each segment's stream (`Utterance.run`): the streams open on a device, which a pool's
+    `pick` balances."""
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor: ...
 
     def stream_started(self) -> None: ...

@@ -59,7 +59,7 @@ def measure(model: str, mode: str, batch: int, frames: int, device: str, calls: 
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = est(*args)
-            while est.capture_wanted():  # the first call's bucket (the server captures it while idle)
+            while est.capture_wanted():  # the first call's bucket (the server captures it in a capture thread)
                 pass
             if device == "cuda":
                 torch.cuda.synchronize()

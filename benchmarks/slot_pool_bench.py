@@ -200,7 +200,7 @@ def main(argv=None) -> None:
             lockstep(runner, work.streams(max(args.streams)), device)  # capture / compile, untimed
             for n in args.streams:
                 lockstep(runner, work.streams(n), device)
-            while runner.capture_wanted():  # the graphs those calls wanted (the server's batcher: while idle)
+            while runner.capture_wanted():  # the graphs those calls wanted (the server's batcher: in its capture thread)
                 pass
         res: dict = {"setup_s": round(time.perf_counter() - t0, 1), "levels": {}}
         with torch.inference_mode():

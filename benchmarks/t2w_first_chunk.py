@@ -88,7 +88,7 @@ def measure(models, setup: str, args) -> dict:
             sync(args.device)
             times.append(round((time.perf_counter() - t) * 1000, 1))
         utterances.append(times)
-        while runner.capture_wanted():  # what the server's batcher does while idle, untimed
+        while runner.capture_wanted():  # what the server's batcher's capture thread does, untimed
             pass
 
     s = stream()

@@ -1,6 +1,6 @@
 """A bucket's CUDA graph is never captured on the request path (graph_buckets.py): its first call
 runs the bucket's function padded, without a graph, and leaves the bucket wanted; `capture_wanted`
-captures it later (the token2wav batcher calls it while idle: tests/test_idle_captures.py), and
+captures it later (the token2wav batcher calls it in its capture thread: tests/test_background_captures.py), and
 the next call replays it. The same output either way.
 
 On CPU: the bookkeeping that runs without CUDA (buckets, the failed-capture rule's effect on
@@ -143,3 +143,37 @@ def test_the_estimator_captures_from_its_example(tiny_dir):
         replayed = est(*args)
     assert est.replays == 1 and torch.isfinite(replayed).all()
     assert (replayed - first).abs().max().item() <= 1e-5
+
+
+@cuda
+def test_a_capture_in_one_thread_while_another_thread_calls():
+    """What the token2wav batcher does: its capture thread captures wanted buckets while its
+    device thread goes on calling, on a stream of its own, the bucket being captured included
+    (ungraphed until its graph is in, then replayed). Every call's output stays right."""
+    import threading
+
+    calls = Scale("cuda")
+    x = torch.randn(3, 20, 8, device="cuda")
+    y = torch.randn(2, 9, 8, device="cuda")
+    want_x, want_y = torch.tanh(x @ calls.w), torch.tanh(y @ calls.w)
+    with torch.inference_mode():
+        calls(x), calls(y)  # (4, 32) and (2, 16) wanted
+    errors: list[float] = []
+    stop = threading.Event()
+
+    def device_thread():
+        stream = torch.cuda.Stream()
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            while not stop.is_set() or len(errors) < 200:
+                errors.append(max((calls(x) - want_x).abs().max().item(), (calls(y) - want_y).abs().max().item()))
+
+    worker = threading.Thread(target=device_thread)
+    worker.start()
+    try:
+        captured = [calls.capture_wanted() for _ in range(3)]
+    finally:
+        stop.set()
+        worker.join(60)
+    assert not worker.is_alive() and captured == [True, True, False]
+    assert sorted(calls.graphs) == [(2, 16), (4, 32)] and not calls.wanted
+    assert max(errors) <= 1e-5 and calls.replays > 0  # the device thread's later calls replayed the graphs

@@ -17,7 +17,7 @@ the difference is float summation order).
 
 A bucket's first call runs the padded call without a graph and leaves the bucket wanted; its graph
 is captured later, off the request path (graph_buckets.GraphBuckets.capture_wanted, called by the
-token2wav stage while its device is idle; `warmup()` captures chosen buckets ahead). A call past the buckets (a larger batch, or `max_graphs` captured) runs the compiled module
+token2wav stage's capture thread, beside its batches; `warmup()` captures chosen buckets ahead). A call past the buckets (a larger batch, or `max_graphs` captured) runs the compiled module
 without a graph. On a device without CUDA, or with `cuda_graphs=False`, the module is only
 compiled (or run eagerly with `compile=False`), padded to the buckets if `pad_to_buckets`; a
 compile failure falls back to eager with a warning. `compile_regions` compiles the estimator's

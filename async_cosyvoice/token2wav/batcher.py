@@ -18,11 +18,13 @@ offline collector instead (token2wav/offline_batcher.py: length-sorted, padded b
 when `offline` limits are given; its batches run in the same device thread.
 
 CUDA graphs of buckets first met by a request (graph_buckets.py: such a call runs without a
-graph and leaves its bucket wanted) are captured here, one at a time in the device thread, and
-only while nothing would wait for them: no job queued and no stream open (`stream_started` /
-`stream_ended`, which the Synthesizer brackets each request with and utterance.Utterance.run each
-segment: a stream still playing would underrun behind a capture of up to ~2 s). The loop wakes when the last stream ends and
-rechecks for jobs between captures, so a new request waits for at most one capture.
+graph and leaves its bucket wanted) are captured in a capture thread of the batcher's own, one at
+a time, while the device thread goes on running batches: a capture takes 1-2 s, and neither a
+listener nor a new request waits for it. Captured in the device thread while it was idle (the
+rule before), a request arriving during a capture waited for it, and under steady traffic the
+device was never idle, so new buckets stayed ungraphed (docs/performance.md, "Captures off the
+request path"). The start-up plan's captures (`capture_graphs`) run in that thread too, so two
+captures never overlap.
 
 The device work runs in one executor thread, so the event loop never blocks and the model sees
 one caller. The batcher keeps its own counters (`stage_stats`: batches, jobs, busy seconds) and a
@@ -101,9 +103,11 @@ def flow_positions(job: Token2WavJob) -> int:
 class Token2WavBatcher:
     def __init__(self, runner: Token2WavRunner, max_batch: int = 32, batching: bool = True,
                  max_batch_tokens: int | None = None, offline: OfflineLimits | None = None,
-                 offline_wait_s: float = 0.01):
+                 offline_wait_s: float = 0.01, capture_in_background: bool = True):
         """offline: limits of the offline collector for non-streaming utterances (None: they run
-        here, as one job each); offline_wait_s: how long its oldest job waits for others."""
+        here, as one job each); offline_wait_s: how long its oldest job waits for others;
+        capture_in_background: False leaves wanted graphs to `capture_all_wanted` (a benchmark's
+        throw-away batcher on a runner whose own batcher captures)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -114,6 +118,9 @@ class Token2WavBatcher:
         self.stage_stats = StageStats("token2wav_batch")
         self.stats = BatcherStats()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav")
+        self._capture_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav-capture")
+        self._capturing: asyncio.Task | None = None
+        self.capture_in_background = capture_in_background
         self._first: list[_Pending] = []  # heaps by (deadline, seq)
         self._rest: list[_Pending] = []
         self._running: list[_Pending] = []  # the batch on the device now
@@ -123,7 +130,8 @@ class Token2WavBatcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.open_streams = 0  # streams between stream_started and stream_ended
-        self.idle_captures = 0  # CUDA graph captures run while idle (a failed one included: the runner logs it)
+        self.background_captures = 0  # wanted CUDA graphs captured in the capture thread (a failed one included)
+        self.capture_seconds = 0.0    # their time in the capture thread
         self._closed = False
         self.offline = (OfflineBatcher(runner, self.run_on_device, offline, offline_wait_s)
                         if offline is not None and batching else None)
@@ -145,23 +153,15 @@ class Token2WavBatcher:
                                device=device, causal_vocoder=self.runner.causal_vocoder, **options)
 
     def stream_started(self) -> None:
-        """A stream's utterance started: no CUDA graph capture until every open stream has ended."""
+        """A segment's stream started on this device (Utterance.run): counted in `open_streams`."""
         self.open_streams += 1
 
     def stream_ended(self) -> None:
-        """A stream's utterance ended (finished, failed or cancelled). The last one to end lets the
-        batcher capture the graphs its calls wanted."""
+        """A segment's stream ended (finished, failed or cancelled)."""
         if self.open_streams <= 0:  # a bookkeeping slip must not take the device down (nor hide a request's error)
             log.error("token2wav stream_ended without stream_started: ignored")
             return
         self.open_streams -= 1
-        self._capture_if_idle()
-
-    def _capture_if_idle(self) -> None:
-        """Wake the loop to capture wanted CUDA graphs if nothing would wait for them."""
-        if self.open_streams == 0 and not self._closed and self.runner.wants_capture:
-            self._ensure_running()
-            self._wake.set()
 
     async def wait_dead(self) -> str:
         """Never returns: this batcher runs in the server's own process (a token2wav process can die)."""
@@ -190,13 +190,13 @@ class Token2WavBatcher:
         stage_stats as one batch of `items` jobs; returns its result or raises what it raised."""
         result, seconds, ok = await asyncio.get_running_loop().run_in_executor(self._executor, timed_call, fn, *args)
         self.stage_stats.record(seconds, items, ok)
-        self._capture_if_idle()  # e.g. a speaker's prefix prepared between requests
+        self._capture_wanted()  # e.g. a bucket a speaker's prefix met
         if not ok:
             raise device_error(result)
         return result
 
     async def capture_graphs(self, plan: CapturePlan) -> int:
-        """Capture the warm-up's CUDA graphs now (warmup.capture_plan), in the device thread: the whole
+        """Capture the warm-up's CUDA graphs now (warmup.capture_plan), in the capture thread: the whole
         flow call's (token2wav/flow_graphs.py) and HiFT's (token2wav/hift_graphs.py) buckets of the
         plan, and the cached flow call's (token2wav/slot_calls.py) at the plan's stream counts x its
         first four new-token buckets (a chunk's hop plus its recomputed partial encoder chunk; a
@@ -220,13 +220,16 @@ class Token2WavBatcher:
                     n += graphs.warmup(streams, lengths)
                 log.info("warm-up: %d %s CUDA graph(s) captured in %.1f s", n, graphs.what, time.perf_counter() - t)
                 new += n
-            holders = self.runner.graph_holders()
-            before, t = sum(len(g.graphs) for g in holders), time.perf_counter()
-            self.runner.capture_all_wanted()
-            if left := sum(len(g.graphs) for g in holders) - before:
+            t = time.perf_counter()
+            if left := self.runner.capture_all_wanted():
                 log.info("warm-up: %d CUDA graph(s) its requests wanted captured in %.1f s", left, time.perf_counter() - t)
             return new + left
-        return await self.run_on_device(capture, items=0)
+        return await self._in_capture_thread(capture)  # after any capture under way: one thread, one at a time
+
+    async def capture_all_wanted(self) -> int:
+        """Every wanted CUDA graph captured now, in the capture thread (after any capture under way);
+        how many captures ran."""
+        return await self._in_capture_thread(self.runner.capture_all_wanted)
 
     def _ensure_running(self) -> None:
         loop = asyncio.get_running_loop()
@@ -284,9 +287,7 @@ class Token2WavBatcher:
             while True:
                 lane, batch = self._take_batch()
                 if not batch:
-                    if self.open_streams or not self.runner.wants_capture or not await self._capture_one():
-                        break
-                    continue  # jobs that arrived during the capture run before the next one
+                    break
                 index, self._started = self._started, self._started + 1
                 started = time.monotonic()
                 left = self.pending
@@ -306,25 +307,44 @@ class Token2WavBatcher:
                 for p, out in zip(batch, outs):
                     if not p.future.done():
                         p.future.set_result(out)
+                self._capture_wanted()
                 # let the streams just served plan and submit their next chunk before the next
                 # batch is taken, so they batch together instead of alternating
                 await asyncio.sleep(0)
 
-    async def _capture_one(self) -> bool:
-        """One wanted CUDA graph captured in the device thread (Token2WavRunner.capture_wanted);
-        whether one was. Failures are the runner's to log: a capture error never stops the loop."""
-        loop = asyncio.get_running_loop()
-        captured, seconds, ok = await loop.run_in_executor(self._executor, timed_call, self.runner.capture_wanted)
-        if not ok:
-            log.error("capturing a wanted CUDA graph failed; its calls keep running without one", exc_info=captured)
-            return False
-        if captured:
-            self.idle_captures += 1
-            deferred = sum(g.deferred for g in self.runner.graph_holders())
-            log.info("CUDA graph capture while idle: %.1f s (%d so far; %d calls ran without a graph waiting for "
-                     "theirs, %d still wanted)", seconds, self.idle_captures, deferred,
+    def _capture_wanted(self) -> None:
+        """Start capturing the CUDA graphs the device's calls wanted, in the capture thread, unless
+        that is under way or nothing is wanted."""
+        if (self._closed or not self.capture_in_background or not self.runner.wants_capture
+                or (self._capturing is not None and not self._capturing.done())):
+            return
+        self._capturing = asyncio.get_running_loop().create_task(self._capture_while_wanted(), name="token2wav-capture")
+
+    async def _capture_while_wanted(self) -> None:
+        """Wanted graphs captured one by one (Token2WavRunner.capture_wanted), until none is wanted.
+        A capture's own failure is the runner's to log (its bucket then runs without a graph);
+        anything else out of it is logged here and stops this round, never the batcher."""
+        while not self._closed and self.runner.wants_capture:
+            try:
+                captured, seconds = await self._in_capture_thread(self.runner.capture_wanted, timed=True)
+            except Exception:  # noqa: BLE001
+                log.exception("capturing a wanted CUDA graph failed; its calls keep running without one")
+                return
+            if not captured:
+                return
+            self.background_captures += 1
+            self.capture_seconds += seconds
+            log.info("CUDA graph captured beside the batches: %.1f s (%d so far; %d calls ran without a graph "
+                     "waiting for theirs, %d still wanted)", seconds, self.background_captures,
+                     sum(g.deferred for g in self.runner.graph_holders()),
                      sum(len(g.wanted) for g in self.runner.graph_holders()))
-        return bool(captured)
+
+    async def _in_capture_thread(self, fn, timed: bool = False):
+        """fn() in the capture thread: its result (and seconds, if `timed`), or what it raised."""
+        result, seconds, ok = await asyncio.get_running_loop().run_in_executor(self._capture_executor, timed_call, fn)
+        if not ok:
+            raise result
+        return (result, seconds) if timed else result
 
     def _record(self, index: int, lane: str, started: float, seconds: float, left: int,
                 batch: list[_Pending], ok: bool) -> None:
@@ -353,7 +373,7 @@ class Token2WavBatcher:
         self.runner.speaker_prefixes.drop(speaker_id)
 
     async def close(self) -> None:
-        self._closed = True  # streams ending after this (their requests cancelled) capture nothing
+        self._closed = True  # no capture starts after this
         if self.offline is not None:
             await self.offline.close()
         if self._task is not None:
@@ -369,4 +389,8 @@ class Token2WavBatcher:
         self._first.clear()
         self._rest.clear()
         self._running = []
+        if self._capturing is not None:
+            self._capturing.cancel()
         self._executor.shutdown(wait=True)
+        # a capture under way (1-2 s) finishes first; awaited off the loop, which keeps serving meanwhile
+        await asyncio.get_running_loop().run_in_executor(None, self._capture_executor.shutdown)

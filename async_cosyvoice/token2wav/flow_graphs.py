@@ -14,8 +14,8 @@ extra token positions are what a longer item in the same batch would add (`Flow.
 their own. Only buckets of at most `max_bucket_tokens` (streams x tokens) are captured: larger
 calls are compute-bound, gain little from a graph and would hold much memory, so they run the
 flow as before (with the estimator's own graphs). A bucket's first call runs the padded call
-without a graph and leaves the bucket wanted; its graph is captured while the token2wav device is
-idle (graph_buckets.GraphBuckets.capture_wanted; `warmup` captures chosen ones ahead). Graphs
+without a graph and leaves the bucket wanted; its graph is captured by the token2wav stage's
+capture thread (graph_buckets.GraphBuckets.capture_wanted; `warmup` captures chosen ones ahead). Graphs
 share one memory pool (graph_buckets.py, as HiFT's).
 
 Off CUDA (`cuda_graphs=False`) the same padded call runs without a graph: the tests use it to check

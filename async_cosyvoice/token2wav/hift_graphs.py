@@ -13,7 +13,7 @@ Buckets: B items of at most T frames take the smallest item bucket >= B and T ro
 estimator's lengths (`length_bucket`, steps of >= `min_frame_step` frames: <= 12.5 % padding), for
 buckets of at most `max_bucket_frames` (items x frames); larger calls run eagerly. Extra rows are
 zero-length items (all masked). A bucket's first call runs padded without a graph; its graph is
-captured while the token2wav device is idle (graph_buckets.GraphBuckets.capture_wanted; `warmup`
+captured by the token2wav stage's capture thread (graph_buckets.GraphBuckets.capture_wanted; `warmup`
 captures chosen ones ahead). Graphs share one memory pool (graph_buckets.py, as the flow's). Off CUDA (`cuda_graphs=False`) the same padded call
 runs without a graph, which the tests use to check that bucket padding changes nothing.
 

@@ -15,9 +15,6 @@ request's seed). One duplex pipe of pickled messages:
                       ("job", key, JobSpec)            one chunk, with the tokens the child lacks
                       ("cancel", key)                  its caller went away: dropped if not started
                       ("close", sid)                   the server's stream is gone
-                      ("started", None) ("ended", None) a segment's stream began / ended (Utterance.run):
-                                                       the child's batcher captures CUDA graphs only
-                                                       while none is open
                       ("call", key, method, args)      prepare_speaker, forget_speaker, capture_graphs
                       ("stop",)
     child -> server   ("ready", device) | ("failed", None, error)   once, after loading
@@ -129,6 +126,7 @@ class Token2WavProcess:
             self.process.join(STOP_TIMEOUT_S)
             raise reply[2]
         self.stage_stats = StageStats("token2wav_batch")
+        self.open_streams = 0  # segments' streams on this device (stream_started / stream_ended)
         self._send_lock = threading.Lock()  # the loop sends; close() may send from another thread
         # streams the server dropped (weakref finalizers, which run wherever the GC does, even
         # inside a send): told to the child before the next message
@@ -177,14 +175,12 @@ class Token2WavProcess:
         return samples
 
     def stream_started(self) -> None:
-        """Told to the child's batcher, which captures wanted CUDA graphs only while no stream is
-        open: forwarded rather than inferred from open/close there, because a stream's "close"
-        reaches the child only when the server's stream is collected, and lazily (before the next
-        message), which could leave the child thinking a stream is open for good."""
-        self._send_quietly(("started", None))
+        """A segment's stream on this device began (Utterance.run): counted here, where the
+        segment runs; the child only renders jobs."""
+        self.open_streams += 1
 
     def stream_ended(self) -> None:
-        self._send_quietly(("ended", None))
+        self.open_streams -= 1
 
     async def prepare_speaker(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
                               speaker_id: str) -> bool:
@@ -350,10 +346,6 @@ class _ChildServer:
                 self.streams[key] = rest[0].open(self.batcher)
             elif kind == "close":
                 self.streams.pop(key, None)
-            elif kind == "started":
-                self.batcher.stream_started()
-            elif kind == "ended":
-                self.batcher.stream_ended()
             elif kind == "cancel":
                 task = self.tasks.pop(key, None)
                 if task is not None:

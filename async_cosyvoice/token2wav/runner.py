@@ -444,14 +444,14 @@ class Token2WavRunner:
 
     def capture_wanted(self) -> bool:
         """Capture one wanted CUDA graph (GraphBuckets.capture_wanted of the first holder that wants
-        one), in the device thread; returns whether a capture ran. The batcher calls it while no
-        job waits and no stream is open: a capture takes up to ~2 s (compiled regions)."""
+        one); returns whether a capture ran. The batcher calls it in its capture thread, beside the
+        device thread's batches: a capture takes 1-2 s (compiled regions)."""
         with self.cuda_stream():
             return any(g.capture_wanted() for g in self.graph_holders())
 
     def capture_all_wanted(self) -> int:
         """`capture_wanted` until nothing is wanted (the warm-up's end, a benchmark between rounds);
-        returns how many captures ran. Device thread only."""
+        returns how many captures ran. One thread at a time."""
         n = 0
         while self.capture_wanted():
             n += 1

@@ -37,13 +37,6 @@ async def _t2w_round(synth: "Synthesizer", batcher, voice, token_lists: Sequence
     rate = synth.sample_rate
     t0 = time.monotonic()
 
-    async def drive(i: int, tokens: np.ndarray) -> RequestResult:
-        batcher.stream_started()  # open: the batcher captures no CUDA graph before the round ends
-        try:
-            return await render(i, tokens)
-        finally:
-            batcher.stream_ended()
-
     async def render(i: int, tokens: np.ndarray) -> RequestResult:
         stream = batcher.open_stream(prompt_token, prompt_feat, embedding, seed=seed + i, segment=0, stream=True,
                                      schedule=schedule)
@@ -63,7 +56,7 @@ async def _t2w_round(synth: "Synthesizer", batcher, voice, token_lists: Sequence
         result.total_s = time.monotonic() - start
         return result
 
-    results = await asyncio.gather(*(drive(i, t) for i, t in enumerate(token_lists)))
+    results = await asyncio.gather(*(render(i, t) for i, t in enumerate(token_lists)))
     wall = time.monotonic() - t0
     level = summarize_level(len(token_lists), results, wall, detail=False)
     level["batcher"] = _batcher_stats(batcher)
@@ -102,23 +95,23 @@ async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int,
     out: dict = {"concurrency": concurrency, "tokens": tokens, "prompt_tokens": record.voice.n_tokens,
                  "first_hop": schedule.first_hop, "max_batch": batch_size}
     warm_tokens = schedule.first_hop + schedule.pre_lookahead + 2 * schedule.first_hop
-    # one device thread at a time: the synthesizer's batcher may be capturing what the sweep before
-    # wanted (it does so when idle); this queues behind that and leaves nothing wanted
-    await synth.batcher.run_on_device(runner.capture_all_wanted, items=0)
+    # in the synthesizer's batcher's capture thread (one capture at a time): what the sweep before
+    # wanted, captured before anything is timed
+    await synth.batcher.capture_all_wanted()
     for name, kwargs in modes.items():
         if warmup:  # a throw-away batcher: first calls of each shape allocate and tune
             if progress:
                 progress.note(f"token2wav {name}: warm-up")
-            batcher = Token2WavBatcher(runner, **kwargs)
+            batcher = Token2WavBatcher(runner, capture_in_background=False, **kwargs)
             try:
                 await _t2w_round(synth, batcher, voice, [t[:warm_tokens] for t in token_lists], schedule, seed)
             finally:
                 await batcher.close()
             # the shapes it met, captured now: the timed round replays them
-            await synth.batcher.run_on_device(runner.capture_all_wanted, items=0)
+            await synth.batcher.capture_all_wanted()
         if progress:
             progress.note(f"token2wav {name}: {concurrency} streams x {tokens} tokens")
-        batcher = Token2WavBatcher(runner, **kwargs)
+        batcher = Token2WavBatcher(runner, capture_in_background=False, **kwargs)
         try:
             out[name] = await _t2w_round(synth, batcher, voice, token_lists, schedule, seed)
         finally:
