@@ -11,15 +11,17 @@ One duplex pipe of pickled messages (multiprocessing's Connection):
                       ("text", key, token_ids)        the stream's next text tokens (RequestFront.stream_tokens)
                       ("text_end", key)               the stream's text is complete
                       ("cancel", key)                 its caller went away
-                      ("call", key, method, args)     prepare_speaker(record), forget_speaker(speaker_id)
+                      ("call", key, method, args)     prepare_speaker(record), forget_speaker(speaker_id),
+                                                      stats() (nothing: the reply carries them)
                       ("stop",)
     worker -> front   ("ready", WorkerInfo) | ("failed", None, error)   once, after loading + warm-up
                       ("chunk", key, AudioChunk, WorkerStats)
                       ("end", key, None, WorkerStats) | ("error", key, error, WorkerStats)
                       ("result", key, value, WorkerStats)
 
-Every reply carries the worker's current WorkerStats (engine, stage counters, memory), so the
-front's metrics are as fresh as the last message. The worker stops when told, when the front's end
+Every reply carries the worker's current WorkerStats (engine, stage counters, memory, CUDA graph
+state), so the front's metrics are as fresh as the last message; a metrics scrape asks for them
+(`stats`), since a worker also changes while no request runs (it captures wanted CUDA graphs then). The worker stops when told, when the front's end
 of the pipe closes (the server died), or with exit code 3 when its engine (or token2wav process)
 dies; the front then restarts it.
 """
@@ -42,6 +44,7 @@ from .frontend.model_input import ModelInput
 from .request import AudioChunk, SynthesisRequest, Voice
 from .request_front import TextMode
 from .stage_stats import StageStats
+from .token2wav.graph_state import DeviceGraphState, graph_state_of
 from .token2wav.process import picklable, pipe_inbox
 from .tts import Synthesizer
 
@@ -64,6 +67,7 @@ class WorkerStats:
     engine: EngineStats = field(default_factory=EngineStats)
     stages: tuple[StageStats, ...] = ()
     memory_bytes: int = 0  # CUDA: the caching allocator's reserved bytes on the device; CPU: the process RSS
+    graphs: DeviceGraphState | None = None  # its token2wav's CUDA graphs (graph_state.graph_state_of)
 
     @property
     def busy_s(self) -> float:
@@ -183,7 +187,7 @@ class _WorkerServer:
 
     def stats(self) -> WorkerStats:
         return WorkerStats(self.synth.engine_stats(), tuple(s.copy() for s in self.synth.stage_stats()),
-                           device_memory_bytes(self.device))
+                           device_memory_bytes(self.device), graph_state_of(self.synth.batcher))
 
     def _send(self, kind: str, key, value) -> None:
         try:
@@ -207,7 +211,8 @@ class _WorkerServer:
             self.texts.pop(key, None)
 
     async def _call(self, key, method: str, args: tuple) -> None:
-        calls = {"prepare_speaker": self.synth.prepare_speaker, "forget_speaker": self.synth.batcher.forget_speaker}
+        calls = {"prepare_speaker": self.synth.prepare_speaker, "forget_speaker": self.synth.batcher.forget_speaker,
+                 "stats": lambda: None}  # every reply carries the stats
         try:
             result = calls[method](*args)
             if asyncio.iscoroutine(result):

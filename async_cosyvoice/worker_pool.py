@@ -44,6 +44,7 @@ from .stage_stats import StageStats, totals
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0
+STATS_TIMEOUT_S = 2.0  # a metrics scrape waits this long for the workers' stats, then reads the last ones
 
 
 class DeviceWorker:
@@ -265,6 +266,7 @@ class WorkerPool:
         self.workers = workers
         self.sample_rate = sample_rate
         self.closed = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the one its workers' replies arrive on
 
     @classmethod
     async def create(cls, config: Config, warmup: bool = True) -> "WorkerPool":
@@ -284,7 +286,9 @@ class WorkerPool:
             raise failures[0]
         front.limit_to_device(min(w.info.memory_total for w in workers))
         log.info("a worker process per device: %s", ", ".join(f"{w.device} (pid {w.pid})" for w in workers))
-        return cls(config, front, workers, workers[0].info.sample_rate)
+        pool = cls(config, front, workers, workers[0].info.sample_rate)
+        pool.loop = asyncio.get_running_loop()
+        return pool
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -328,6 +332,29 @@ class WorkerPool:
         return [DeviceStats(w.device, "worker", w.active, w.served, w.stats.engine, state=w.state,
                             restarts=w.restarts, busy_s=w.stats.busy_s, memory_bytes=w.stats.memory_bytes)
                 for w in self.workers]
+
+    def refresh_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> None:
+        """Ask every serving worker for its stats now and wait for them (at most `timeout_s`; then
+        the last ones stand), from a thread other than the pool's loop: a metrics scrape. A worker
+        changes while no request runs too (it captures the CUDA graphs its requests wanted then),
+        and only its replies bring its stats here."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # RuntimeError: no loop runs in this thread
+            if asyncio.get_running_loop() is loop:
+                return  # on the pool's own loop: it cannot wait for itself
+        asked = asyncio.run_coroutine_threadsafe(self._ask_stats(timeout_s), loop)
+        try:
+            asked.result(timeout_s + 1.0)
+        except Exception:  # noqa: BLE001 — a scrape reads the last stats rather than fail
+            asked.cancel()
+
+    async def _ask_stats(self, timeout_s: float) -> None:
+        live = [w for w in self.workers if w.state == "serving"]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(w.call("stats") for w in live), return_exceptions=True),
+                                   timeout_s)
 
     async def wait_dead(self) -> str:
         """Returns once every worker has been given up (workers.max_failed_starts failed starts in a

@@ -34,6 +34,11 @@ Steps (each timed; the results say how long):
    the cold path); for CosyVoice3 the requests are the workload's full length (plan
    warmup_tokens None), since its vocoder re-vocodes the whole mel so far: its HiFT graph
    buckets grow with the utterance;
+   before each timed phase (every closed-loop level, the capacity search) the bench waits until the
+   server has captured the CUDA graphs its calls wanted (`cosyvoice_device_cuda_graphs_wanted` 0
+   on its metrics endpoint; the captures run while no request does, 1-2 s each), at most
+   --settle-s (default 180 s), and logs one line: the wait, graphs captured, any still wanted
+   (results "graph_settle");
 6. the closed-loop sweep 1, 4, 16, 32, 64 streams of 250 forced tokens (10 s of audio),
    requests per level 4, 8, 32, 64, 128, each level stopped after --max-level-seconds;
 7. the open-loop capacity search: Poisson arrivals of the same 10-s requests, doubling the rate
@@ -87,6 +92,7 @@ QUICK = dict(levels=[1, 2], requests={1: 2, 2: 2}, tokens=20, prompt_seconds=1.0
              max_rate=2.0, refine=0, max_level_seconds=10.0, llm_batches=[], ready_timeout_s=300.0,
              restart_s=0.0)
 QUICK_PRESETS = {"cosyvoice2-0.5b": "tiny", "cosyvoice3-0.5b": "cosyvoice3-tiny"}
+SETTLE_S = 180.0  # the longest wait for the server's pending CUDA graph captures before a timed phase
 # phases that must still fit after a phase starts (seconds), so the headline numbers come first
 RESERVE = {"llm": 330.0, "server": 200.0, "sweep": 90.0, "capacity": 10.0}
 
@@ -106,6 +112,9 @@ def add_server_arguments(ap: argparse.ArgumentParser, out_default: str, budget_s
     ap.add_argument("--max-level-seconds", type=float)
     ap.add_argument("--budget-s", type=float, default=budget_s)
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, small workload")
+    ap.add_argument("--settle-s", type=float, default=SETTLE_S,
+                    help="before each timed phase, wait at most this long for the server's CUDA graph captures "
+                         f"(no graph wanted on its metrics endpoint; default {SETTLE_S:g})")
     ap.add_argument("--keep-compile-cache", action="store_true",
                     help="the first start uses the config's torch.compile cache folder (default: an empty one "
                          "in the scratch directory, as on a fresh machine)")
@@ -114,6 +123,7 @@ def add_server_arguments(ap: argparse.ArgumentParser, out_default: str, budget_s
 def make_plan(args, full: dict, quick: dict) -> dict:
     """`full` or (--quick) `quick`, with the workload options given on the command line."""
     plan = dict(quick if args.quick else full)
+    plan["settle_s"] = args.settle_s
     if args.quick:  # the full-size presets' tiny twins
         args.preset = QUICK_PRESETS.get(args.preset, args.preset)
     for key, value in (("tokens", args.tokens), ("start_rate", args.start_rate), ("duration_s", args.duration),
@@ -388,10 +398,21 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
             phases["warmup_s"] = await bench.warm_up(target, workload, plan["levels"], progress,
                                                      max_tokens=plan.get("warmup_tokens", 60))
 
+        async def settle(phase: str) -> None:
+            """Until the server has captured the CUDA graphs its calls wanted (cosyvoice_cli/bench/graphs.py),
+            at most plan["settle_s"] and the phase's time left."""
+            try:
+                settled = await bench.settle_graphs(stages, max(0.0, min(plan["settle_s"], time_left(phase))))
+            except Exception as e:  # the phase still runs; the results say its graphs were not read
+                settled = {"error": f"{type(e).__name__}: {e}"}
+            results.setdefault("graph_settle", []).append({"before": phase, **settled})
+            log(bench.format_settle(settled, phase))
+
         async def sweep():
             results["levels"] = []
             counts = bench.requests_per_level(plan["levels"], plan["requests"])
             for c in plan["levels"]:
+                await settle(f"sweep {c}")
                 budget = time_left(f"sweep {c}")
                 if budget <= 1.0:
                     skipped.append(f"sweep level {c}")
@@ -401,6 +422,7 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
                     max_seconds=min(plan["max_level_seconds"], budget)))
 
         async def capacity():
+            await settle("capacity")
             results["capacity"] = await bench.capacity_search(
                 target, workload, start_rate=plan["start_rate"], duration_s=plan["duration_s"],
                 max_rate=plan["max_rate"], refine=plan["refine"], within=plan.get("within"),

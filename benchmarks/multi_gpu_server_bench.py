@@ -47,9 +47,11 @@ H200's), doubling while it passes (halving while it fails), then bisecting geome
 smallest failing rate is within 25 % of the largest passing one, at most 5 trials: the capacity
 is the largest rate with p99 first chunk <= 300 ms and >= 99 % of requests free of underruns (the
 single-GPU bench's criterion), reported with its bracket and `converged` (false when no trial
-failed, none passed, or the trials or the time ran out). The untimed warm-up round is skipped by
-default (`--skip warmup`, the default of --skip; `--skip ""` runs it; `--skip sweep` drops the
-closed-loop levels).
+failed, none passed, or the trials or the time ran out). Before the closed loop, the single-GPU
+bench's untimed warm-up: one round of short requests at each closed-loop level (1 and 32 x GPUs);
+before each timed phase (each level, the capacity search) the wait for the server's pending CUDA
+graph captures, at most --settle-s (default 180 s; results "graph_settle"). `--skip warmup` drops
+the warm-up, `--skip sweep` the closed-loop levels.
 In every setup `limits.max_concurrent_streams` is max(256, 2 x the largest level).
 
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
@@ -200,8 +202,7 @@ def parse_args(argv=None):
     ap.add_argument("--rate-per-gpu", type=float, default=RATE_PER_GPU,
                     help=f"capacity search start, req/s per GPU of the setup (default {RATE_PER_GPU:g}; "
                          "--start-rate overrides it with one rate for every setup)")
-    ap.add_argument("--skip", default="warmup", help="comma list of phases to skip: warmup,sweep,capacity "
-                    "(default: warmup)")
+    ap.add_argument("--skip", default="", help="comma list of phases to skip: warmup,sweep,capacity")
     ap.add_argument("--merge", nargs="?", const="", metavar="DIRS",
                     help="only build the combined table from the setup-*.json in these folders (default: --out)")
     # one setup in a child process (what a round starts; not for the command line)
@@ -412,7 +413,7 @@ def setup_summary(res: dict) -> dict:
             "capacity_stopped_early": cap.get("stopped_early"), "capacity_converged": cap.get("converged"),
             "capacity_bracket": cap.get("bracket"), "capacity_trials": len(cap.get("trials", [])),
             "first_chunk_1_stream_p50_s": one_stream and one_stream["first_chunk_s"]["p50"],
-            "skipped": res.get("skipped", []),
+            "skipped": res.get("skipped", []), "graph_settle": res.get("graph_settle", []),
             "failed": sorted(res.get("phase_errors") or {})}
 
 

@@ -4,14 +4,25 @@ Read from `placement.device_stats(synth)` at scrape time. `index` is the device'
 `model.devices` (two "cpu" entries are two workers), `role` is worker, replica, llm, token2wav or
 all. Worker processes (`model.placement: workers`) add their state, restarts, busy seconds and
 device memory; `cosyvoice_degraded` is 1 while one of them is not serving.
+
+Every token2wav device adds its CUDA graph state (token2wav/graph_state.py) by graph `kind` (flow,
+HiFT, cached flow, flow estimator): graphs captured, buckets wanted (met by a call, waiting for their
+capture: those calls run without a graph meanwhile), calls replayed, deferred and past the buckets,
+and the batcher's captures while serving with their seconds. A benchmark waits for the wanted
+gauge to be 0 before it times anything. Worker processes are asked for their stats at each
+scrape (WorkerPool.refresh_stats): they capture while no request runs, when no reply comes.
 """
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from async_cosyvoice.placement import device_stats
+from async_cosyvoice.placement import ReplicaRouter, Token2WavPool, device_stats
+from async_cosyvoice.token2wav.graph_state import DeviceGraphState, graph_state_of
+from async_cosyvoice.tts import Synthesizer
+from async_cosyvoice.worker_pool import WorkerPool
 
 _LABELS = ["index", "device", "role"]
+_KIND_LABELS = _LABELS + ["kind"]
 
 
 class DeviceCollector:
@@ -38,10 +49,14 @@ class DeviceCollector:
                                    "the caching allocator's reserved bytes; CPU: the process RSS)", labels=_LABELS)
         degraded = GaugeMetricFamily("cosyvoice_degraded", "1 while a device of a server on several devices is not "
                                      "serving (the others are)")
+        graph_families = _GraphFamilies()
         try:
+            if isinstance(self.synth, WorkerPool):
+                self.synth.refresh_stats()
             stats = device_stats(self.synth)
+            graphs = graph_states(self.synth)
         except Exception:  # a scrape must never fail because the model is gone
-            stats = []
+            stats, graphs = [], {}
         for i, s in enumerate(stats):
             labels = [str(i), s.device, s.role]
             active.add_metric(labels, s.active)
@@ -54,5 +69,64 @@ class DeviceCollector:
                 busy.add_metric(labels, s.busy_s)
             if s.memory_bytes is not None:
                 memory.add_metric(labels, s.memory_bytes)
+            if (g := graphs.get(i)) is not None:
+                graph_families.add(labels, g)
         degraded.add_metric([], float(bool(getattr(self.synth, "degraded", False))))
         yield from (active, assigned, running, up, restarts, busy, memory, degraded)
+        yield from graph_families.families()
+
+
+class _GraphFamilies:
+    """The CUDA graph series of the token2wav devices (DeviceGraphState)."""
+
+    def __init__(self):
+        self.graphs = GaugeMetricFamily("cosyvoice_device_cuda_graphs", "CUDA graphs captured on a token2wav "
+                                        "device, by kind", labels=_KIND_LABELS)
+        self.wanted = GaugeMetricFamily("cosyvoice_device_cuda_graphs_wanted", "Buckets a call met that wait for "
+                                        "their CUDA graph's capture (their calls run without a graph meanwhile)",
+                                        labels=_KIND_LABELS)
+        self.replays = CounterMetricFamily("cosyvoice_device_cuda_graph_replays", "Calls that ran in a CUDA graph "
+                                           "(off CUDA: padded to their bucket)", labels=_KIND_LABELS)
+        self.deferred = CounterMetricFamily("cosyvoice_device_cuda_graph_deferred_calls", "Calls that ran without a "
+                                            "graph while their bucket waited for its capture", labels=_KIND_LABELS)
+        self.fallbacks = CounterMetricFamily("cosyvoice_device_cuda_graph_fallback_calls", "Calls past the graph "
+                                             "buckets (or of a bucket whose capture failed), run without a graph",
+                                             labels=_KIND_LABELS)
+        self.captures = CounterMetricFamily("cosyvoice_device_cuda_graph_background_captures", "CUDA graphs the "
+                                            "token2wav batcher captured while serving (the buckets its calls wanted)",
+                                            labels=_LABELS)
+        self.capture_seconds = CounterMetricFamily("cosyvoice_device_cuda_graph_capture_seconds", "Seconds of the "
+                                                   "token2wav batcher's captures while serving", labels=_LABELS)
+
+    def add(self, labels: list[str], state: DeviceGraphState) -> None:
+        for k in state.kinds:
+            kind = labels + [k.kind]
+            self.graphs.add_metric(kind, k.graphs)
+            self.wanted.add_metric(kind, k.wanted)
+            self.replays.add_metric(kind, k.replays)
+            self.deferred.add_metric(kind, k.deferred)
+            self.fallbacks.add_metric(kind, k.fallbacks)
+        self.captures.add_metric(labels, state.background_captures)
+        self.capture_seconds.add_metric(labels, state.capture_seconds)
+
+    def families(self):
+        return (self.graphs, self.wanted, self.replays, self.deferred, self.fallbacks, self.captures,
+                self.capture_seconds)
+
+
+def graph_states(synth) -> dict[int, DeviceGraphState]:
+    """The CUDA graph state of each token2wav device by its index in `model.devices` (the rows of
+    placement.device_stats): workers that serve, replicas, a disaggregated pool's token2wav devices
+    (after the LLM's, index 0), or the one device. A token2wav process's state is unknown until it
+    reports one (graph_state_of)."""
+    if isinstance(synth, WorkerPool):
+        found = {w.index: w.stats.graphs for w in synth.workers if w.state == "serving"}
+    elif isinstance(synth, ReplicaRouter):
+        found = {i: graph_state_of(r.synth.batcher) for i, r in enumerate(synth.replicas)}
+    elif isinstance(synth, Synthesizer) and isinstance(synth.batcher, Token2WavPool):
+        found = {1 + i: graph_state_of(w.batcher) for i, w in enumerate(synth.batcher.workers)}
+    elif isinstance(synth, Synthesizer):
+        found = {0: graph_state_of(synth.batcher)}
+    else:  # e.g. Ray Serve's ingress: its replicas report their own
+        found = {}
+    return {i: state for i, state in found.items() if state is not None}

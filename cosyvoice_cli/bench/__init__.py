@@ -61,6 +61,7 @@ from async_cosyvoice.files import write_json
 from .report import environment, format_stages, format_t2w, format_table
 from .open_loop import CapacityCriteria, capacity_search, format_capacity, format_open_loop, poisson_arrivals
 from .open_loop import run_open_loop
+from .graphs import GraphCounts, format_settle, parse_graph_counts, settle_graphs
 from .runner import run_level, run_request, run_sweep, warm_up
 from .session import OpenLoopPlan, bench_grpc, bench_in_process
 from .stages import PrometheusStages, StageCounters, SynthesizerStages, parse_prometheus, stage_delta
@@ -70,7 +71,7 @@ from .workload import DEFAULT_PROMPT_TEXT, DEFAULT_SPEAKER, DEFAULT_TEXT, SECOND
 from .workload import requests_per_level, synthetic_prompt
 
 __all__ = [
-    "CapacityCriteria", "OpenLoopPlan", "capacity_search", "format_capacity", "format_open_loop",
+    "CapacityCriteria", "GraphCounts", "OpenLoopPlan", "format_settle", "parse_graph_counts", "settle_graphs", "capacity_search", "format_capacity", "format_open_loop",
     "poisson_arrivals", "run_open_loop",
     "DEFAULT_PROMPT_TEXT", "DEFAULT_SPEAKER", "DEFAULT_TEXT", "PERCENTILES", "SECONDS_PER_TOKEN",
     "GrpcTarget", "InProcessTarget", "Progress", "PrometheusStages", "RequestResult", "SpeakerSpec", "StageCounters",

@@ -55,7 +55,11 @@ class PrometheusStages:
         self.timeout_s = timeout_s
 
     async def read(self) -> dict[str, StageStats]:
-        return parse_prometheus(await asyncio.to_thread(self._fetch))
+        return parse_prometheus(await self.text())
+
+    async def text(self) -> str:
+        """The endpoint's exposition text now."""
+        return await asyncio.to_thread(self._fetch)
 
     def _fetch(self) -> str:
         with urllib.request.urlopen(self.url, timeout=self.timeout_s) as r:

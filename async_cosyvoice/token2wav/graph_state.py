@@ -1,0 +1,64 @@
+"""A token2wav device's CUDA graph state, as metrics and benchmarks read it: per graph kind (a graph
+holder's `what`: flow, HiFT, cached flow, flow estimator) the graphs captured, the buckets wanted
+(met by a call, waiting for their capture: graph_buckets.py) and the calls so far, plus the
+batcher's captures while serving (after SERVING, off the request path).
+
+A snapshot of plain numbers: it crosses a pipe (a worker process's replies, device_worker.py) and
+is read in a scrape thread. Until the wanted buckets are captured, calls of those shapes run
+without a graph: a benchmark waits for `wanted == 0` before it times anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .batcher import Token2WavBatcher
+
+
+@dataclass(frozen=True)
+class GraphKindState:
+    kind: str         # the holder's `what`
+    graphs: int       # captured
+    wanted: int       # buckets a call met that wait for their capture
+    replays: int      # calls that ran in a graph (off CUDA: padded to their bucket)
+    deferred: int     # calls that ran without a graph while their bucket waited for its capture
+    fallbacks: int    # calls past the buckets (or of a bucket whose capture failed)
+
+
+@dataclass(frozen=True)
+class DeviceGraphState:
+    kinds: tuple[GraphKindState, ...] = ()
+    background_captures: int = 0   # the batcher's captures of wanted graphs while serving
+    capture_seconds: float = 0.0   # their seconds
+
+    @property
+    def graphs(self) -> int:
+        return sum(k.graphs for k in self.kinds)
+
+    @property
+    def wanted(self) -> int:
+        return sum(k.wanted for k in self.kinds)
+
+
+def read_graph_state(batcher: Token2WavBatcher) -> DeviceGraphState:
+    """The state of an in-process batcher's graph holders (`Token2WavRunner.graph_holders`: those
+    that capture; none on a CPU), holders of one kind added up, and its captures while serving
+    (`background_captures`, `capture_seconds`; `idle_captures` where a batcher counts only those)."""
+    kinds: dict[str, list[int]] = {}
+    for g in batcher.runner.graph_holders():
+        # len() of a dict the device thread may be changing: atomic under the GIL, and a scrape
+        # reads a number at most one capture old
+        counts = (len(g.graphs), len(g.wanted), g.replays, g.deferred, g.fallbacks)
+        total = kinds.setdefault(g.what, [0] * len(counts))
+        for i, n in enumerate(counts):
+            total[i] += n
+    captures = getattr(batcher, "background_captures", getattr(batcher, "idle_captures", 0))
+    return DeviceGraphState(tuple(GraphKindState(kind, *counts) for kind, counts in kinds.items()),
+                            int(captures), float(getattr(batcher, "capture_seconds", 0.0)))
+
+
+def graph_state_of(batcher) -> DeviceGraphState | None:
+    """`read_graph_state` of an in-process batcher; a token2wav process (token2wav/process.py)
+    reports the state of its child's batcher as `graph_state` where it keeps one (None: unknown)."""
+    if isinstance(batcher, Token2WavBatcher):
+        return read_graph_state(batcher)
+    return getattr(batcher, "graph_state", None)
