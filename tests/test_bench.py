@@ -364,6 +364,9 @@ def test_h200_server_script_quick_on_cpu(tmp_path):
         assert lv["stages"]["token2wav_batch"]["calls"] > 0  # the server's counters, over Prometheus
         assert lv["stages"]["first_chunk_t2w"]["calls"] > 0 and lv["stages"]["first_chunk_t2w"]["ms_per_call"] > 0
     assert r["meta"]["phases"]["server_start_s"] > 0 and len(r["summary"]) == 10
+    # before each timed level, the wait for the server's pending CUDA graph captures (a CPU has none)
+    assert [s["before"] for s in r["graph_settle"]] == ["sweep 1", "sweep 2"] and r["meta"]["plan"]["settle_s"] == 180
+    assert all(s["settled"] and s["wanted"] == s["captured"] == 0 and s["bound_s"] > 0 for s in r["graph_settle"])
     # the second start of the same server: its own time to SERVING, its first request and warm ones
     assert r["restart"]["start_s"] > 0 and r["restart"]["first_request"]["errors"] == 0
     assert r["restart"]["warm"]["errors"] == 0 and r["restart"]["warm"]["requests"] == 3
@@ -441,6 +444,7 @@ def test_multi_gpu_server_script_quick_on_cpu(multi_gpu, tmp_path):
         assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
         for lv in r["levels"]:
             assert lv["errors"] == 0 and lv["first_chunk_s"]["p50"] > 0
+        assert [(s["before"], s["settled"]) for s in r["graph_settle"]] == [("sweep 1", True), ("sweep 2", True)]
         assert name in table and name in (tmp_path / "multi_gpu_table.md").read_text()
     combined = json.loads((tmp_path / "multi_gpu_results.json").read_text())
     assert [(s["setup"], s["gpus"]) for s in combined["setups"]] == [
@@ -467,6 +471,10 @@ def test_multi_gpu_server_script_rounds_on_cpu(multi_gpu, tmp_path):
         assert config["server"]["http_port"] is None
         ports += meta["ports"].values()
         assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and all(lv["errors"] == 0 for lv in r["levels"])
+        # the warm-up runs by default, and every timed phase waits for the server's graphs first
+        assert "warmup" not in r["skipped"] and meta["phases"]["warmup_s"] > 0
+        assert [s["before"] for s in r["graph_settle"]] == ["sweep 1", "sweep 2", "capacity"]
+        assert all(s["settled"] for s in r["graph_settle"])
         cap = r["capacity"]
         assert isinstance(cap["converged"], bool) and 1 <= len(cap["trials"]) <= 3 and cap["within"] == 1.25
         best, worst = cap["bracket"]
