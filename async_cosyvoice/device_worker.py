@@ -21,9 +21,9 @@ One duplex pipe of pickled messages (multiprocessing's Connection):
 
 Every reply carries the worker's current WorkerStats (engine, stage counters, memory, CUDA graph
 state), so the front's metrics are as fresh as the last message; a metrics scrape asks for them
-(`stats`), since a worker also changes while no request runs (it captures wanted CUDA graphs then). The worker stops when told, when the front's end
-of the pipe closes (the server died), or with exit code 3 when its engine (or token2wav process)
-dies; the front then restarts it.
+(`stats`), since a worker changes after its last reply too (it captures wanted CUDA graphs). The
+worker stops when told, when the front's end of the pipe closes (the server died), or with exit
+code 3 when its engine (or token2wav process) dies; the front then restarts it.
 """
 from __future__ import annotations
 

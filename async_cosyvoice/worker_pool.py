@@ -336,8 +336,8 @@ class WorkerPool:
     def refresh_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> None:
         """Ask every serving worker for its stats now and wait for them (at most `timeout_s`; then
         the last ones stand), from a thread other than the pool's loop: a metrics scrape. A worker
-        changes while no request runs too (it captures the CUDA graphs its requests wanted then),
-        and only its replies bring its stats here."""
+        changes after its last reply too (it captures the CUDA graphs its requests wanted), and
+        only its replies bring its stats here."""
         loop = self.loop
         if loop is None or loop.is_closed():
             return

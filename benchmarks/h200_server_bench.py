@@ -36,7 +36,7 @@ Steps (each timed; the results say how long):
    buckets grow with the utterance;
    before each timed phase (every closed-loop level, the capacity search) the bench waits until the
    server has captured the CUDA graphs its calls wanted (`cosyvoice_device_cuda_graphs_wanted` 0
-   on its metrics endpoint; the captures run while no request does, 1-2 s each), at most
+   on its metrics endpoint; 1-2 s a capture, beside the batches), at most
    --settle-s (default 180 s), and logs one line: the wait, graphs captured, any still wanted
    (results "graph_settle");
 6. the closed-loop sweep 1, 4, 16, 32, 64 streams of 250 forced tokens (10 s of audio),

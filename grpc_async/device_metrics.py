@@ -8,9 +8,9 @@ device memory; `cosyvoice_degraded` is 1 while one of them is not serving.
 Every token2wav device adds its CUDA graph state (token2wav/graph_state.py) by graph `kind` (flow,
 HiFT, cached flow, flow estimator): graphs captured, buckets wanted (met by a call, waiting for their
 capture: those calls run without a graph meanwhile), calls replayed, deferred and past the buckets,
-and the batcher's captures while serving with their seconds. A benchmark waits for the wanted
-gauge to be 0 before it times anything. Worker processes are asked for their stats at each
-scrape (WorkerPool.refresh_stats): they capture while no request runs, when no reply comes.
+and the captures of the batcher's capture thread with their seconds. A benchmark waits for the
+wanted gauge to be 0 before it times anything. Worker processes are asked for their stats at each
+scrape (WorkerPool.refresh_stats): their captures go on after their last reply.
 """
 from __future__ import annotations
 
@@ -92,11 +92,13 @@ class _GraphFamilies:
         self.fallbacks = CounterMetricFamily("cosyvoice_device_cuda_graph_fallback_calls", "Calls past the graph "
                                              "buckets (or of a bucket whose capture failed), run without a graph",
                                              labels=_KIND_LABELS)
-        self.captures = CounterMetricFamily("cosyvoice_device_cuda_graph_background_captures", "CUDA graphs the "
-                                            "token2wav batcher captured while serving (the buckets its calls wanted)",
-                                            labels=_LABELS)
+        self.captures = CounterMetricFamily("cosyvoice_device_cuda_graph_background_captures", "Wanted CUDA "
+                                            "graphs the token2wav batcher's capture thread captured (beside the "
+                                            "batches)", labels=_LABELS)
+        self.capturing = GaugeMetricFamily("cosyvoice_device_cuda_graph_capturing", "1 while the token2wav "
+                                           "batcher's capture thread is capturing wanted graphs", labels=_LABELS)
         self.capture_seconds = CounterMetricFamily("cosyvoice_device_cuda_graph_capture_seconds", "Seconds of the "
-                                                   "token2wav batcher's captures while serving", labels=_LABELS)
+                                                   "token2wav batcher's captures of wanted graphs", labels=_LABELS)
 
     def add(self, labels: list[str], state: DeviceGraphState) -> None:
         for k in state.kinds:
@@ -107,11 +109,12 @@ class _GraphFamilies:
             self.deferred.add_metric(kind, k.deferred)
             self.fallbacks.add_metric(kind, k.fallbacks)
         self.captures.add_metric(labels, state.background_captures)
+        self.capturing.add_metric(labels, float(state.capturing))
         self.capture_seconds.add_metric(labels, state.capture_seconds)
 
     def families(self):
         return (self.graphs, self.wanted, self.replays, self.deferred, self.fallbacks, self.captures,
-                self.capture_seconds)
+                self.capture_seconds, self.capturing)
 
 
 def graph_states(synth) -> dict[int, DeviceGraphState]:

@@ -120,8 +120,9 @@ def test_the_graph_series_are_the_holders_counts_after_synthesis(server, golden_
     assert found[("cosyvoice_device_cuda_graph_replays", "flow")] > 0
     assert found[("cosyvoice_device_cuda_graph_fallback_calls", "flow")] > 0
     batcher = server.server.synthesizer.batcher
-    assert found[("cosyvoice_device_cuda_graph_background_captures", None)] == batcher.idle_captures == 0
+    assert found[("cosyvoice_device_cuda_graph_background_captures", None)] == batcher.background_captures == 0
     assert found[("cosyvoice_device_cuda_graph_capture_seconds", None)] == 0.0
+    assert found[("cosyvoice_device_cuda_graph_capturing", None)] == 0.0
 
 
 def test_the_bench_waits_for_wanted_graphs_within_its_bound(server):
@@ -142,7 +143,7 @@ def test_the_bench_waits_for_wanted_graphs_within_its_bound(server):
     finally:
         flow.wanted.clear()
     assert not timed_out["settled"] and timed_out["wanted"] == 1 and timed_out["waited_s"] >= 0.6
-    assert "1 STILL WANTED after the 0.6 s bound" in bench.format_settle(timed_out, "sweep 32")
+    assert "1 STILL WANTED (0 device(s) capturing) after the 0.6 s bound" in bench.format_settle(timed_out, "sweep 32")
     assert settled["settled"] and settled["wanted"] == 0 and 0.5 <= settled["waited_s"] < 60.0
     assert settled["captured"] == 0 and settled["background_captures"] == 0
     assert "STILL" not in bench.format_settle(settled, "capacity")

@@ -1,11 +1,12 @@
 """A token2wav device's CUDA graph state, as metrics and benchmarks read it: per graph kind (a graph
 holder's `what`: flow, HiFT, cached flow, flow estimator) the graphs captured, the buckets wanted
 (met by a call, waiting for their capture: graph_buckets.py) and the calls so far, plus the
-batcher's captures while serving (after SERVING, off the request path).
+batcher's captures of wanted graphs (in its capture thread, beside the batches).
 
 A snapshot of plain numbers: it crosses a pipe (a worker process's replies, device_worker.py) and
 is read in a scrape thread. Until the wanted buckets are captured, calls of those shapes run
-without a graph: a benchmark waits for `wanted == 0` before it times anything.
+without a graph and the captures share the device: a benchmark waits for `wanted == 0` before it
+times anything.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ class GraphKindState:
 @dataclass(frozen=True)
 class DeviceGraphState:
     kinds: tuple[GraphKindState, ...] = ()
-    background_captures: int = 0   # the batcher's captures of wanted graphs while serving
+    background_captures: int = 0   # the batcher's captures of wanted graphs (its capture thread)
     capture_seconds: float = 0.0   # their seconds
+    capturing: bool = False        # its capture thread is at work (a bucket leaves `wanted` as its capture starts)
 
     @property
     def graphs(self) -> int:
@@ -41,19 +43,18 @@ class DeviceGraphState:
 
 def read_graph_state(batcher: Token2WavBatcher) -> DeviceGraphState:
     """The state of an in-process batcher's graph holders (`Token2WavRunner.graph_holders`: those
-    that capture; none on a CPU), holders of one kind added up, and its captures while serving
-    (`background_captures`, `capture_seconds`; `idle_captures` where a batcher counts only those)."""
+    that capture; none on a CPU), holders of one kind added up, and the captures of its capture
+    thread (`background_captures`, `capture_seconds`, `capturing`)."""
     kinds: dict[str, list[int]] = {}
     for g in batcher.runner.graph_holders():
-        # len() of a dict the device thread may be changing: atomic under the GIL, and a scrape
-        # reads a number at most one capture old
+        # len() of dicts the device and capture threads change: atomic under the GIL
         counts = (len(g.graphs), len(g.wanted), g.replays, g.deferred, g.fallbacks)
         total = kinds.setdefault(g.what, [0] * len(counts))
         for i, n in enumerate(counts):
             total[i] += n
-    captures = getattr(batcher, "background_captures", getattr(batcher, "idle_captures", 0))
     return DeviceGraphState(tuple(GraphKindState(kind, *counts) for kind, counts in kinds.items()),
-                            int(captures), float(getattr(batcher, "capture_seconds", 0.0)))
+                            batcher.background_captures, batcher.capture_seconds,
+                            bool(getattr(batcher, "capturing", False)))  # a batcher that says so
 
 
 def graph_state_of(batcher) -> DeviceGraphState | None:
