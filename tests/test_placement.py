@@ -94,6 +94,9 @@ def test_replicas_share_speakers_and_balance_requests(tiny_dir, tmp_path, golden
         assert all(r.active == 0 for r in router.replicas)
         assigned = _device_metric(st, "cosyvoice_device_assigned_total")
         assert assigned == {("0", "replica"): served_before[0] + 2, ("1", "replica"): served_before[1] + 2}
+        # each replica's token2wav reports its CUDA graph state (a CPU captures none)
+        assert _device_metric(st, "cosyvoice_device_cuda_graph_background_captures_total") == {
+            ("0", "replica"): 0.0, ("1", "replica"): 0.0}
 
         # the benchmark client against the two-replica server
         before = [r.served for r in router.replicas]
@@ -180,6 +183,9 @@ def test_disaggregated_streams_spread_over_token2wav_workers(tiny_dir, tmp_path,
         _same_audio(audio)
         assigned = _device_metric(st, "cosyvoice_device_assigned_total")
         assert assigned[("1", "token2wav")] == before[0] + 2 and assigned[("2", "token2wav")] == before[1] + 2
+        # the token2wav devices report their CUDA graph state, the LLM's does not
+        assert _device_metric(st, "cosyvoice_device_cuda_graph_background_captures_total") == {
+            ("1", "token2wav"): 0.0, ("2", "token2wav"): 0.0}
 
         async def register():  # a registered speaker's flow prompt prefix is on every worker at once
             async with CosyVoiceClient(st.target) as client:
