@@ -71,7 +71,8 @@ from .workload import DEFAULT_PROMPT_TEXT, DEFAULT_SPEAKER, DEFAULT_TEXT, SECOND
 from .workload import requests_per_level, synthetic_prompt
 
 __all__ = [
-    "CapacityCriteria", "GraphCounts", "OpenLoopPlan", "format_settle", "parse_graph_counts", "settle_graphs", "capacity_search", "format_capacity", "format_open_loop",
+    "CapacityCriteria", "OpenLoopPlan", "capacity_search", "format_capacity", "format_open_loop",
+    "GraphCounts", "format_settle", "parse_graph_counts", "settle_graphs",
     "poisson_arrivals", "run_open_loop",
     "DEFAULT_PROMPT_TEXT", "DEFAULT_SPEAKER", "DEFAULT_TEXT", "PERCENTILES", "SECONDS_PER_TOKEN",
     "GrpcTarget", "InProcessTarget", "Progress", "PrometheusStages", "RequestResult", "SpeakerSpec", "StageCounters",
