@@ -49,7 +49,7 @@ class DeviceCollector:
                                    "the caching allocator's reserved bytes; CPU: the process RSS)", labels=_LABELS)
         degraded = GaugeMetricFamily("cosyvoice_degraded", "1 while a device of a server on several devices is not "
                                      "serving (the others are)")
-        graph_families = _GraphFamilies()
+        graph_families = GraphFamilies()
         try:
             if isinstance(self.synth, WorkerPool):
                 self.synth.refresh_stats()
@@ -76,7 +76,7 @@ class DeviceCollector:
         yield from graph_families.families()
 
 
-class _GraphFamilies:
+class GraphFamilies:
     """The CUDA graph series of the token2wav devices (DeviceGraphState)."""
 
     def __init__(self):

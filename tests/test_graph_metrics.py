@@ -12,9 +12,11 @@ gauge and the benchmark's wait follow it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import urllib.request
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from async_cosyvoice.config import Config
@@ -24,10 +26,12 @@ from async_cosyvoice.model_dir import build_models
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner
 from async_cosyvoice.token2wav.batcher import Token2WavBatcher
 from async_cosyvoice.token2wav.flow_graphs import FlowGraphs
+from async_cosyvoice.token2wav.graph_state import DeviceGraphState, GraphKindState
 from async_cosyvoice.token2wav.hift_graphs import HiFTGraphs
 from async_cosyvoice.tts import Synthesizer
 from cosyvoice_cli import bench
 from grpc_async.client import CosyVoiceClient
+from grpc_async.device_metrics import GraphFamilies
 from grpc_async.server import ServerThread
 
 TEXT = "Hello there, this is a small test."
@@ -147,3 +151,29 @@ def test_the_bench_waits_for_wanted_graphs_within_its_bound(server):
     assert settled["settled"] and settled["wanted"] == 0 and 0.5 <= settled["waited_s"] < 60.0
     assert settled["captured"] == 0 and settled["background_captures"] == 0
     assert "STILL" not in bench.format_settle(settled, "capacity")
+
+
+def test_a_capture_under_way_keeps_the_wait_going():
+    """A bucket leaves `wanted` as its capture starts: a device that says its capture thread is at
+    work is not settled, with nothing wanted. The exposition is the server's collector's."""
+    class OneDevice:
+        def __init__(self, state: DeviceGraphState):
+            self.state = state
+
+        def collect(self):
+            families = GraphFamilies()
+            families.add(["0", "cuda:0", "all"], self.state)
+            return families.families()
+
+    def counts(state: DeviceGraphState) -> bench.GraphCounts:
+        registry = CollectorRegistry()
+        registry.register(OneDevice(state))
+        return bench.parse_graph_counts(generate_latest(registry).decode())
+
+    flow = GraphKindState("flow", graphs=12, wanted=0, replays=40, deferred=3, fallbacks=1)
+    capturing = counts(DeviceGraphState((flow,), background_captures=2, capture_seconds=3.5, capturing=True))
+    assert capturing == bench.GraphCounts(captured=12, wanted=0, background_captures=2, capture_seconds=3.5,
+                                          capturing=1)
+    assert not capturing.settled
+    assert counts(DeviceGraphState((flow,), background_captures=3, capture_seconds=5.0)).settled
+    assert not counts(DeviceGraphState((dataclasses.replace(flow, wanted=2),))).settled
