@@ -312,11 +312,15 @@ class Token2WavBatcher:
                 # batch is taken, so they batch together instead of alternating
                 await asyncio.sleep(0)
 
+    @property
+    def capturing(self) -> bool:
+        """The capture thread is at work (a bucket leaves its holder's `wanted` when its capture starts)."""
+        return self._capturing is not None and not self._capturing.done()
+
     def _capture_wanted(self) -> None:
         """Start capturing the CUDA graphs the device's calls wanted, in the capture thread, unless
         that is under way or nothing is wanted."""
-        if (self._closed or not self.capture_in_background or not self.runner.wants_capture
-                or (self._capturing is not None and not self._capturing.done())):
+        if self._closed or not self.capture_in_background or not self.runner.wants_capture or self.capturing:
             return
         self._capturing = asyncio.get_running_loop().create_task(self._capture_while_wanted(), name="token2wav-capture")
 

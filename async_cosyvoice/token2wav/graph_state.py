@@ -54,7 +54,7 @@ def read_graph_state(batcher: Token2WavBatcher) -> DeviceGraphState:
             total[i] += n
     return DeviceGraphState(tuple(GraphKindState(kind, *counts) for kind, counts in kinds.items()),
                             batcher.background_captures, batcher.capture_seconds,
-                            bool(getattr(batcher, "capturing", False)))  # a batcher that says so
+                            batcher.capturing)
 
 
 def graph_state_of(batcher) -> DeviceGraphState | None:
