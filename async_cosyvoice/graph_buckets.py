@@ -184,6 +184,17 @@ class GraphBuckets:
             new += 1
         return new
 
+    def want(self, streams: Sequence[int], lengths: Sequence[int]) -> int:
+        """Mark the buckets of these stream counts x lengths wanted (`buckets`; those captured or
+        without room left out), for `capture_wanted` to capture later. Returns how many were new."""
+        if not self.cuda_graphs:
+            return 0
+        new = [b for b in self.buckets(streams, lengths) if b not in self.graphs and self._has_room(b)]
+        with self._lock:
+            new = [b for b in new if b not in self.wanted]
+            self.wanted.update(dict.fromkeys(new))
+        return len(new)
+
     def capture_wanted(self) -> bool:
         """Capture the oldest wanted bucket that still has room (`_has_room`; those without are
         dropped), from `_example` inputs. Returns whether a capture ran (False: nothing was

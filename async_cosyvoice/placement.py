@@ -260,10 +260,10 @@ class Token2WavPool:
         """Returns when a worker's process died (in-process workers never do)."""
         return await first_death(*(w.batcher.wait_dead() for w in self.workers))
 
-    async def capture_graphs(self, plan: CapturePlan) -> int:
+    async def capture_graphs(self, plan: CapturePlan, defer: bool = False) -> int:
         # one worker after another: a capture's warm-up runs may torch.compile, which is not
         # thread-safe (see ReplicaRouter.create)
-        return sum([await w.batcher.capture_graphs(plan) for w in self.workers])
+        return sum([await w.batcher.capture_graphs(plan, defer) for w in self.workers])
 
     async def close(self) -> None:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))

@@ -16,9 +16,11 @@ depend only on the chunk's hop. So the warm-up
    far: its HiFT graphs at 1 stream are every frame bucket up to the speech tokens' mel, at more
    streams a first chunk's. Rarer buckets (more streams, longer utterances) are not captured on
    the request that first meets them: that call runs padded without a graph and the bucket is
-   captured later, one graph at a time, while the token2wav device has no job queued and no stream
-   open (graph_buckets.py, token2wav/batcher.py). Captured on first use, a compiled flow graph cost
-   the listener ~2 s: the first time two or three streams overlapped at a new length;
+   captured later, one graph at a time, by the token2wav stage's capture thread beside its batches
+   (graph_buckets.py, token2wav/batcher.py). Captured on first use, a compiled flow graph cost
+   the listener ~2 s: the first time two or three streams overlapped at a new length. With
+   `warmup.capture_before_serving: first_chunks` (the default) only the set's first-chunk buckets
+   are captured here; the rest is left to that thread, after SERVING (`Warmup.run`);
 2. runs short streamed syntheses through every stage (`Warmup.requests`): where shapes are
    captured, two zero-shot ones, with a prompt as long as the capture set covers
    (`capture_prompt_tokens`, 10 s) and with half of it, so that the LM has prefilled a long and a
@@ -28,8 +30,8 @@ depend only on the chunk's hop. So the warm-up
    buckets that the first chunk of any prompt of up to 10 s with a sentence or two of text reaches
    (with the 10-s request alone, a 6-s speaker's first request was the first to prefill that short
    a prompt and to replay the 256 graph); else one cross-lingual request with a 1-s prompt; then
-   captures what those requests met beyond the plan (they ran it without a graph), so that no
-   capture is left for an idle moment after SERVING, when a first request could arrive during it;
+   captures what those requests met beyond the plan (they ran it without a graph), or with
+   `first_chunks` leaves it, with the rest of the plan, to the capture thread;
 3. collects and freezes the heap (`settle_heap`, after the speakers' flow prefixes): a start leaves
    hundreds of thousands of objects (on the CPU box 356 k eager, 501 k with the estimator compiled;
    a full collection of them took 0.2-0.3 s there), and every full collection after it, a stop of
@@ -72,9 +74,11 @@ def chunk_mel_frames(config: Config) -> range:
     return range(16, longest + 16, 16)
 
 
-def capture_plan(config: Config) -> CapturePlan:
+def capture_plan(config: Config, first_chunks_only: bool = False) -> CapturePlan:
     """The fixed capture set of this config (see the module docstring); steps of 16 tokens / frames
-    reach every bucket (the flow's are >= 32 tokens wide, HiFT's >= 16 frames)."""
+    reach every bucket (the flow's are >= 32 tokens wide, HiFT's >= 16 frames). `first_chunks_only`:
+    its buckets of first chunks (and HiFT's chunks), what `warmup.capture_before_serving:
+    first_chunks` captures before SERVING."""
     w, t2w = config.warmup, config.token2wav
     s = ChunkSchedule(first_hop=t2w.first_hop, max_hop_multiple=t2w.max_hop_multiple)
     frames = chunk_mel_frames(config)
@@ -85,6 +89,9 @@ def capture_plan(config: Config) -> CapturePlan:
     first = range(16, w.capture_prompt_tokens + 2 * s.first_hop + s.pre_lookahead + 16, 16)
     first_causal = range(16, s.token_mel_ratio * (2 * s.first_hop + s.pre_lookahead) + 16, 16)
     more = tuple(batch_sizes(w.capture_streams)[1:])
+    if first_chunks_only:
+        streams = (1, *more)
+        return CapturePlan(((streams, first),), ((streams, frames),), ((streams, first_causal),))
     flow, hift, causal_hift = [((1,), whole)], [((1,), frames)], [((1,), causal)]
     if more:
         flow.append((more, first))
@@ -111,8 +118,8 @@ class Warmup:
     config: Config
     sample_rate: int
     max_tokens: int                     # speech tokens of the warm-up request (its first and final chunks)
-    # CapturePlan -> graphs captured: the token2wav stage's capture_graphs
-    capture: Callable[[CapturePlan], Awaitable[int]] | None = None
+    # (CapturePlan, defer) -> graphs captured: the token2wav stage's capture_graphs
+    capture: Callable[[CapturePlan, bool], Awaitable[int]] | None = None
     captured: int | None = None         # graphs the last run captured (None: no capture ran)
 
     @property
@@ -139,20 +146,26 @@ class Warmup:
                                  prompt_audio=sine_prompt(self.sample_rate, seconds), options=options)
                 for seconds in sorted({min(longest, max(1.0, longest / 2)), longest})]
 
+    @property
+    def defers(self) -> bool:
+        """Whether part of the plan is left to the capture thread, after SERVING."""
+        return self.config.warmup.capture_before_serving == "first_chunks"
+
     async def run(self, synthesize) -> None:
         t = time.monotonic()
         if self.coverage and self.capture is not None:
-            self.captured = await self.capture(self.plan)
-            log.info("warm-up captured %d planned CUDA graph(s) in %.1f s (at 1..%d streams; prompt <= %d + "
-                     "speech <= %d tokens at 1 stream)", self.captured, time.monotonic() - t, self.plan.max_streams,
+            self.captured = await self.capture(capture_plan(self.config, first_chunks_only=self.defers), False)
+            log.info("warm-up captured %d planned CUDA graph(s) in %.1f s (%s at 1..%d streams; prompt <= %d + "
+                     "speech <= %d tokens at 1 stream)", self.captured, time.monotonic() - t,
+                     "first chunks" if self.defers else "all chunks", self.plan.max_streams,
                      self.config.warmup.capture_prompt_tokens, self.config.warmup.capture_speech_tokens)
         for request in self.requests():
             await drain(synthesize(request))
         if self.captured is not None:
-            # buckets of the requests the plan did not hold ran without a graph and are wanted: captured
-            # now (the plan's are all there already), so the first requests after SERVING never wait
-            # behind an idle capture
-            self.captured += await self.capture(self.plan)
+            # the plan's other buckets and those of the requests it did not hold (they ran without a graph
+            # and are wanted): with `capture_before_serving: first_chunks` left to the capture thread, which
+            # captures them beside the first requests after SERVING; with `all` captured now
+            self.captured += await self.capture(self.plan, self.defers)
         log.info("warm-up done in %.1f s", time.monotonic() - t)
 
 

@@ -177,3 +177,22 @@ def test_a_capture_in_one_thread_while_another_thread_calls():
     assert not worker.is_alive() and captured == [True, True, False]
     assert sorted(calls.graphs) == [(2, 16), (4, 32)] and not calls.wanted
     assert max(errors) <= 1e-5 and calls.replays > 0  # the device thread's later calls replayed the graphs
+
+
+@cuda
+def test_want_marks_planned_buckets_for_the_capture_thread():
+    """The warm-up's deferred plan (`capture_before_serving: first_chunks`): buckets marked wanted
+    without a call, those captured already left out, then captured by `capture_wanted`."""
+    calls = Scale("cuda")
+    with torch.inference_mode():
+        calls.warmup([1], [16])
+        assert calls.want([1, 2], [10, 20]) == 3 and list(calls.wanted) == [(1, 32), (2, 16), (2, 32)]
+        assert calls.want([2], [20]) == 0  # already wanted
+        while calls.capture_wanted():
+            pass
+    assert sorted(calls.graphs) == [(1, 16), (1, 32), (2, 16), (2, 32)] and calls.deferred == 0
+
+
+def test_want_is_nothing_off_cuda():
+    calls = Scale("cpu")
+    assert calls.want([1, 2], [10, 20]) == 0 and not calls.wanted

@@ -73,10 +73,26 @@ def test_capture_plan_is_small_fixed_and_covers_one_stream(tiny_models):
     assert length < 320
 
 
+def test_first_chunk_plan_covers_every_first_chunk_and_is_part_of_the_plan(tiny_models):
+    """`capture_before_serving: first_chunks` captures before SERVING the plan's buckets that a new
+    request's first chunk can meet (any prompt <= capture_prompt_tokens, a padded first hop, the
+    look-ahead) and every HiFT chunk; the rest of the plan is left to the capture thread."""
+    config = Config()
+    assert config.warmup.capture_before_serving == "first_chunks"
+    flow, hift, first_flow, first_hift = plan_buckets(tiny_models, capture_plan(config, first_chunks_only=True))
+    _, _, all_flow, all_hift = plan_buckets(tiny_models, capture_plan(config))
+    assert set(first_flow) < set(all_flow) and first_hift == all_hift
+    first_hop, lookahead = config.token2wav.first_hop, 3
+    for prompt in range(1, config.warmup.capture_prompt_tokens + 1):
+        for hop in range(first_hop, 2 * first_hop):  # prompt_align pads the first hop to < 2 first hops
+            assert flow.bucket(1, prompt + hop + lookahead) in first_flow, (prompt, hop)
+    assert len(first_flow) == 9 and len(all_flow) == 16  # 32-token buckets up to 283 tokens of 500
+
+
 def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
-    """The warm-up asks the token2wav stage for the same plan with or without registered speakers,
-    runs its generated prompts' requests, none by the speakers, then asks again (what the requests
-    wanted beyond the plan)."""
+    """The warm-up asks the token2wav stage to capture the same first-chunk plan with or without
+    registered speakers, runs its generated prompts' requests, none by the speakers, then leaves the
+    whole plan (and what the requests wanted beyond it) to the capture thread (`defer`)."""
     prompt = load_audio(tiny_dir / "golden" / "prompt_24k.wav")
     config = Config.model_validate({"model": {"dir": str(tiny_dir)}, "speakers": {"dir": str(tmp_path / "spk")},
                                     "warmup": {"coverage": True}})
@@ -88,9 +104,9 @@ def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
             async for chunk in synth.synthesize(request):
                 yield chunk
 
-        async def capture(plan):
-            seen.append(("capture", plan))
-            return await synth.batcher.capture_graphs(plan)
+        async def capture(plan, defer):
+            seen.append(("capture", plan, defer))
+            return await synth.batcher.capture_graphs(plan, defer)
         return synthesize, capture
 
     plans = []
@@ -104,11 +120,11 @@ def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
             s.call(s.synth.warming.run(synthesize))
             # generated prompts of 5 and 10 s (the longest the set covers): test_warmup_runs_the_lm_...
             assert seen[1:3] == [("request", Mode.ZERO_SHOT), ("request", Mode.ZERO_SHOT)]
-            # the plan first; again after the requests, for what they left wanted (graph_buckets.py)
-            assert [what for what, _ in seen] == ["capture", "request", "request", "capture"]
-            assert seen[0][1] == seen[3][1]
+            # the first chunks' plan first; after the requests the whole plan, deferred (graph_buckets.py)
+            assert [what for what, *_ in seen] == ["capture", "request", "request", "capture"]
+            assert seen[0][2:] == (False,) and seen[3][1:] == (capture_plan(config), True)
             plans.append(seen[0][1])
-    assert plans[0] == plans[1] == capture_plan(config)
+    assert plans[0] == plans[1] == capture_plan(config, first_chunks_only=True)
 
 
 def test_warmup_runs_the_lm_decode_graphs_of_a_speakers_first_chunk(tiny_dir, tmp_path):

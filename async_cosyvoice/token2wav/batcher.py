@@ -195,26 +195,33 @@ class Token2WavBatcher:
             raise device_error(result)
         return result
 
-    async def capture_graphs(self, plan: CapturePlan) -> int:
-        """Capture the warm-up's CUDA graphs now (warmup.capture_plan), in the capture thread: the whole
-        flow call's (token2wav/flow_graphs.py) and HiFT's (token2wav/hift_graphs.py) buckets of the
-        plan, and the cached flow call's (token2wav/slot_calls.py) at the plan's stream counts x its
-        first four new-token buckets (a chunk's hop plus its recomputed partial encoder chunk; a
-        speaker's prefix) x every key bucket that holds them; then what the warm-up's own requests
-        left wanted, so that no capture is left for the first requests after SERVING to wait
-        behind. Logs one line per graph kind; returns how many were new (0 without graphs)."""
+    async def capture_graphs(self, plan: CapturePlan, defer: bool = False) -> int:
+        """The warm-up's CUDA graphs (warmup.py): the whole flow call's (token2wav/flow_graphs.py) and
+        HiFT's (token2wav/hift_graphs.py) buckets of `plan`, and the cached flow call's
+        (token2wav/slot_calls.py) at the plan's stream counts x its first four new-token buckets (a
+        chunk's hop plus its recomputed partial encoder chunk; a speaker's prefix) x every key
+        bucket that holds them. Captured now, in the capture thread, then whatever else is wanted
+        (the warm-up's own requests met it): logs one line per graph kind and returns how many
+        graphs were new (0 without graphs). `defer`: marked wanted instead, for the capture thread
+        to capture beside the batches from now on (after SERVING); returns 0."""
         slot_calls = self.runner.slot_calls
         slot_plan = () if slot_calls is None else (
             (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
                                                         slot_calls.min_step)),)
+        hift_plan = plan.causal_hift if self.runner.causal_vocoder else plan.hift
+        kinds = [(graphs, pairs) for graphs, pairs in ((self.runner.flow_graphs, plan.flow),
+                                                         (self.runner.hift_graphs, hift_plan), (slot_calls, slot_plan))
+                 if graphs is not None and graphs.cuda_graphs]
+        if defer:
+            wanted = sum(graphs.want(streams, lengths) for graphs, pairs in kinds for streams, lengths in pairs)
+            if wanted:
+                log.info("warm-up: %d planned CUDA graph(s) left to the capture thread, after SERVING", wanted)
+            self._capture_wanted()
+            return 0
 
         def capture() -> int:
             new = 0
-            hift_plan = plan.causal_hift if self.runner.causal_vocoder else plan.hift
-            for graphs, pairs in ((self.runner.flow_graphs, plan.flow), (self.runner.hift_graphs, hift_plan),
-                                  (slot_calls, slot_plan)):
-                if graphs is None or not graphs.cuda_graphs:
-                    continue
+            for graphs, pairs in kinds:
                 t, n = time.perf_counter(), 0
                 for streams, lengths in pairs:
                     n += graphs.warmup(streams, lengths)

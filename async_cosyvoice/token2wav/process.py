@@ -189,8 +189,8 @@ class Token2WavProcess:
     def forget_speaker(self, speaker_id: str) -> None:
         self._send_quietly(("call", None, "forget_speaker", (speaker_id,)))
 
-    async def capture_graphs(self, plan: CapturePlan) -> int:
-        return await self._request("call", "capture_graphs", (plan,))
+    async def capture_graphs(self, plan: CapturePlan, defer: bool = False) -> int:
+        return await self._request("call", "capture_graphs", (plan, defer))
 
     async def wait_dead(self) -> str:
         """Returns (the reason) once the child has died; never while it runs or after close()."""
