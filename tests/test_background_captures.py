@@ -274,3 +274,34 @@ def test_the_open_stream_count_returns_to_zero_however_a_request_ends(synth):
     assert synth.call(closed_by_its_consumer()) == (1, 0)
     assert synth.call(cancelled()) == (1, 0)
     assert synth.call(failed()) == ([1], 0)
+
+
+def test_after_the_planned_captures_nothing_recompiles_until_close(models):
+    """Token2WavBatcher._stop_recompiling (called once the warm-up's planned captures are in, where
+    graphs are captured): a compile in one thread breaks compiled calls in the others, and the
+    capture thread runs beside the device thread, so from then on a call that would need a new
+    program runs eagerly; `close` restores torch's default."""
+    from torch._dynamo.utils import counters
+
+    @torch.compile(backend="eager", dynamic=False)
+    def double(x):
+        return x * 2
+
+    async def scenario():
+        batcher = Token2WavBatcher(CaptureLog(models.flow, models.hift))
+        torch._dynamo.reset()
+        counters.clear()
+        double(torch.ones(3))
+        compiled_before = counters["stats"]["unique_graphs"]
+        batcher._stop_recompiling()
+        try:
+            out = double(torch.ones(5))  # another static shape: a recompile, run eagerly instead
+            return compiled_before, counters["stats"]["unique_graphs"], out
+        finally:
+            await batcher.close()
+
+    before, after, out = asyncio.run(scenario())
+    assert before == 1 and after == 1 and torch.equal(out, torch.full((5,), 2.0))
+    double(torch.ones(7))  # closed: compiling again
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()

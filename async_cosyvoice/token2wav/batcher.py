@@ -41,6 +41,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from ..device_errors import device_error
@@ -121,6 +122,7 @@ class Token2WavBatcher:
         self._capture_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav-capture")
         self._capturing: asyncio.Task | None = None
         self.capture_in_background = capture_in_background
+        self._stopped_recompiling = False
         self._first: list[_Pending] = []  # heaps by (deadline, seq)
         self._rest: list[_Pending] = []
         self._running: list[_Pending] = []  # the batch on the device now
@@ -221,16 +223,25 @@ class Token2WavBatcher:
 
         def capture() -> int:
             new = 0
+            try:
+                new = capture_planned()
+            finally:
+                if kinds:
+                    self._stop_recompiling()
+            t = time.perf_counter()
+            if left := self.runner.capture_all_wanted():
+                log.info("warm-up: %d CUDA graph(s) its requests wanted captured in %.1f s", left, time.perf_counter() - t)
+            return new + left
+
+        def capture_planned() -> int:
+            new = 0
             for graphs, pairs in kinds:
                 t, n = time.perf_counter(), 0
                 for streams, lengths in pairs:
                     n += graphs.warmup(streams, lengths)
                 log.info("warm-up: %d %s CUDA graph(s) captured in %.1f s", n, graphs.what, time.perf_counter() - t)
                 new += n
-            t = time.perf_counter()
-            if left := self.runner.capture_all_wanted():
-                log.info("warm-up: %d CUDA graph(s) its requests wanted captured in %.1f s", left, time.perf_counter() - t)
-            return new + left
+            return new
         return await self._in_capture_thread(capture)  # after any capture under way: one thread, one at a time
 
     async def capture_all_wanted(self) -> int:
@@ -319,6 +330,19 @@ class Token2WavBatcher:
                 # batch is taken, so they batch together instead of alternating
                 await asyncio.sleep(0)
 
+    def _stop_recompiling(self) -> None:
+        """From the planned captures on, torch.compile'd code in this process runs what it has compiled
+        and never recompiles: a call whose shapes would need a new program runs eagerly instead
+        (`torch.compiler.set_stance("eager_on_recompile")`). Why: the capture thread runs compiled
+        code beside the device thread (and the LLM's), and a compile in one thread makes every
+        compiled call in another fail while it traces ("Detected that you are using FX to
+        symbolically trace a dynamo-optimized function"): on an H100 the flow estimator fell back to
+        eager for good that way. Reset by `close`."""
+        if not self._stopped_recompiling:
+            torch.compiler.set_stance("eager_on_recompile")
+            self._stopped_recompiling = True
+            log.info("torch.compile: no recompiles from now on (a call that would recompile runs eagerly)")
+
     @property
     def capturing(self) -> bool:
         """The capture thread is at work (a bucket leaves its holder's `wanted` when its capture starts)."""
@@ -405,3 +429,5 @@ class Token2WavBatcher:
         self._executor.shutdown(wait=True)
         # a capture under way (1-2 s) finishes first; awaited off the loop, which keeps serving meanwhile
         await asyncio.get_running_loop().run_in_executor(None, self._capture_executor.shutdown)
+        if self._stopped_recompiling:
+            torch.compiler.set_stance("default")
