@@ -8,24 +8,42 @@ memory pool overwrites: callers copy out what they keep before that.
 
 Capture follows PyTorch's recipe: two runs on a side stream first (they compile, autotune and fill
 lazy caches, none of which may happen inside a capture), then the capture, in `thread_local` mode
-so that another thread's CUDA work (the LLM engine's) does not invalidate it, on that side stream
-with the graph's device current: torch.cuda.graph's default capture stream is one per process,
-made on whatever device was current at the first capture, which with several GPUs in one process
-is another GPU's (on an H100 pair: "operation not permitted when stream is capturing").
+so that another thread's CUDA work (the LLM engine's, the token2wav device thread's) does not
+invalidate it, on that side stream with the graph's device current: torch.cuda.graph's default
+capture stream is one per process, made on whatever device was current at the first capture, which
+with several GPUs in one process is another GPU's (on an H100 pair: "operation not permitted when
+stream is capturing").
+
+The side stream is one per device (`capture_stream`), taken from PyTorch's pool of higher-priority
+streams, which nothing else here uses. `torch.cuda.Stream()` hands out the 32 streams of a pool in
+turn, so a new side stream per capture came round, after 32 captures, to the very stream the LLM
+engine or the token2wav device thread runs on (both from the default pool); with captures beside
+serving, that thread's work then ran on a capturing stream (an H100 server: "Cannot copy between
+CPU and CUDA tensors during CUDA graph capture" in an LLM step).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
+
+CAPTURE_STREAM_PRIORITY = -1  # a pool of its own: the serving threads' streams are priority 0
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every capture on `device` runs on (one capture at a time per process: the token2wav
+    stage's capture thread, or a start-up plan)."""
+    return torch.cuda.Stream(device, priority=CAPTURE_STREAM_PRIORITY)
 
 
 class CapturedCall:
     def __init__(self, fn: Callable[..., Any], inputs: dict[str, Tensor], device: torch.device, pool=None):
         self.inputs = inputs
         with torch.cuda.device(device):
-            side = torch.cuda.Stream(device)
+            side = capture_stream(torch.device("cuda", torch.cuda.current_device()))
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(2):

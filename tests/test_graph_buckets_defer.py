@@ -196,3 +196,20 @@ def test_want_marks_planned_buckets_for_the_capture_thread():
 def test_want_is_nothing_off_cuda():
     calls = Scale("cpu")
     assert calls.want([1, 2], [10, 20]) == 0 and not calls.wanted
+
+
+@cuda
+def test_captures_never_run_on_a_serving_threads_stream():
+    """torch.cuda.Stream() deals out a pool of 32 streams in turn: a new side stream per capture came
+    round to the LLM's or the token2wav thread's own stream. Captures run on one stream of another
+    pool (cuda_graph.capture_stream), however many captures and serving streams there are."""
+    from async_cosyvoice.cuda_graph import capture_stream
+
+    serving = [torch.cuda.Stream() for _ in range(40)]  # the default pool, dealt round more than once
+    calls = Scale("cuda")
+    with torch.inference_mode():
+        for t in (16, 32, 48, 64):
+            calls.warmup([1, 2], [t])
+    side = capture_stream(torch.device("cuda", torch.cuda.current_device()))
+    assert side.cuda_stream not in {s.cuda_stream for s in serving}
+    assert side is capture_stream(torch.device("cuda", torch.cuda.current_device())) and len(calls.graphs) == 8
