@@ -103,6 +103,8 @@ def test_a_job_runs_while_a_capture_is_under_way(models, prompt):
         runner = CaptureLog(models.flow, models.hift)
         batcher = Token2WavBatcher(runner)
         try:
+            told = []  # what a token2wav child's server does with it: tell its parent the new graph state
+            batcher.on_capture = lambda: told.append(batcher.background_captures)
             runner.want("a", "b")
             runner.hold["a"], runner.capturing["a"] = threading.Event(), asyncio.Event()
             stream = new_stream(prompt)
@@ -116,13 +118,13 @@ def test_a_job_runs_while_a_capture_is_under_way(models, prompt):
             runner.hold["a"].set()
             await asyncio.wait_for(runner.drained.wait(), WAIT_S)
             await asyncio.wait_for(batcher._capturing, WAIT_S)  # it counts "b" before it ends
-            return during, runner.events, batcher.background_captures, batcher.open_streams
+            return during, runner.events, batcher.background_captures, batcher.open_streams, told
         finally:
             await batcher.close()
 
-    during, events, captured, still_open = asyncio.run(scenario())
+    during, events, captured, still_open, told = asyncio.run(scenario())
     assert during == ["batch of 1", "capture a", "batch of 1", "batch of 1"]
-    assert events == during + ["capture b"] and captured == 2 and still_open == 0
+    assert events == during + ["capture b"] and captured == 2 and still_open == 0 and told == [1, 2]
 
 
 def test_a_failed_capture_does_not_stop_the_batcher(models, prompt):

@@ -67,6 +67,8 @@ def test_same_audio_as_in_process_and_cancellation(tiny_dir, tmp_path):
                     break
                 await chunks.aclose()
                 assert proc._pending == {} and proc.open_streams == 0
+                # every reply carries the child's CUDA graph state (none captured on a CPU)
+                assert proc.graph_state is not None and proc.graph_state.graphs == proc.graph_state.wanted == 0
                 out["after cancel"] = await render(synth, request(tiny_dir, True))
                 assert proc.open_streams == 0
             return out

@@ -40,6 +40,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -122,6 +123,7 @@ class Token2WavBatcher:
         self._capture_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav-capture")
         self._capturing: asyncio.Task | None = None
         self.capture_in_background = capture_in_background
+        self.on_capture: Callable[[], None] | None = None  # after each capture beside the batches (a token2wav child tells its server)
         self._stopped_recompiling = False
         self._first: list[_Pending] = []  # heaps by (deadline, seq)
         self._rest: list[_Pending] = []
@@ -369,6 +371,8 @@ class Token2WavBatcher:
                 return
             self.background_captures += 1
             self.capture_seconds += seconds
+            if self.on_capture is not None:
+                self.on_capture()
             log.info("CUDA graph captured beside the batches: %.1f s (%d so far; %d calls ran without a graph "
                      "waiting for theirs, %d still wanted)", seconds, self.background_captures,
                      sum(g.deferred for g in self.runner.graph_holders()),

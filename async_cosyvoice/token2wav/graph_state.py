@@ -59,7 +59,8 @@ def read_graph_state(batcher: Token2WavBatcher) -> DeviceGraphState:
 
 def graph_state_of(batcher) -> DeviceGraphState | None:
     """`read_graph_state` of an in-process batcher; a token2wav process (token2wav/process.py)
-    reports the state of its child's batcher as `graph_state` where it keeps one (None: unknown)."""
+    keeps its child's as `graph_state`, as of the child's last message (each reply, and each
+    capture beside the batches; None before the first)."""
     if isinstance(batcher, Token2WavBatcher):
         return read_graph_state(batcher)
     return getattr(batcher, "graph_state", None)

@@ -19,6 +19,8 @@ request's seed). One duplex pipe of pickled messages:
                       ("stop",)
     child -> server   ("ready", device) | ("failed", None, error)   once, after loading
                       ("done", key, result, started, stats) | ("failed", key, error, stats)
+                      ("graphs", None, stats)           after each CUDA graph capture beside the batches
+                      (stats: ChildStats, its batcher's stage counters and CUDA graph state)
 
 A reader thread in the server blocks on the pipe and hands each reply to the event loop. When the
 pipe breaks (the child died) every pending and later job fails with EngineDead and `wait_dead`
@@ -46,12 +48,24 @@ from ..graph_buckets import CapturePlan
 from ..model_dir import ModelDir, load_model_dir
 from ..stage_stats import StageStats
 from .batcher import Token2WavBatcher
+from .graph_state import DeviceGraphState, read_graph_state
 from .stage import device_token2wav_batcher
 from .stream import Token2WavJob, Token2WavStream
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ChildStats:
+    """What every message of the child carries about its batcher."""
+    stage: StageStats
+    graphs: DeviceGraphState
+
+    @classmethod
+    def of(cls, batcher: Token2WavBatcher) -> "ChildStats":
+        return cls(batcher.stage_stats, read_graph_state(batcher))
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,7 @@ class Token2WavProcess:
             raise reply[2]
         self.stage_stats = StageStats("token2wav_batch")
         self.open_streams = 0  # segments' streams on this device (stream_started / stream_ended)
+        self.graph_state: DeviceGraphState | None = None  # the child's, as of its last message
         self._send_lock = threading.Lock()  # the loop sends; close() may send from another thread
         # streams the server dropped (weakref finalizers, which run wherever the GC does, even
         # inside a send): told to the child before the next message
@@ -269,9 +284,10 @@ class Token2WavProcess:
 
     def _on_reply(self, message: tuple) -> None:
         kind, key, *rest = message
-        if rest and isinstance(rest[-1], StageStats):
+        if rest and isinstance(rest[-1], ChildStats):
             for f in dataclasses.fields(StageStats):
-                setattr(self.stage_stats, f.name, getattr(rest[-1], f.name))
+                setattr(self.stage_stats, f.name, getattr(rest[-1].stage, f.name))
+            self.graph_state = rest[-1].graphs
         future = self._pending.pop(key, None)
         if future is None or future.done():
             return
@@ -334,6 +350,8 @@ class _ChildServer:
     def __init__(self, conn, batcher: Token2WavBatcher):
         self.conn = conn
         self.batcher = batcher
+        # a capture beside the batches changes the graph state after the last reply: told at once
+        batcher.on_capture = lambda: self.conn.send(("graphs", None, ChildStats.of(batcher)))
         self.streams: dict[int, Token2WavStream] = {}
         self.tasks: dict[int, asyncio.Task] = {}
 
@@ -366,12 +384,12 @@ class _ChildServer:
                 if asyncio.iscoroutine(result):
                     result = await result
             if key is not None:
-                self.conn.send(("done", key, result, self.batcher.stage_stats))
+                self.conn.send(("done", key, result, ChildStats.of(self.batcher)))
         except asyncio.CancelledError:
             pass  # the server gave up on it
         except Exception as e:  # noqa: BLE001 — the caller gets it
             if key is not None:
-                self.conn.send(("failed", key, picklable(e), self.batcher.stage_stats))
+                self.conn.send(("failed", key, picklable(e), ChildStats.of(self.batcher)))
         finally:
             self.tasks.pop(key, None)
 
