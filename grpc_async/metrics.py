@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import MetricsHandler
 
+from async_cosyvoice.gc_pauses import GC_PAUSES, GCPauses
 from async_cosyvoice.request import FirstChunkParts
 from async_cosyvoice.stage_stats import StageStats
 from async_cosyvoice.startup import StartupReport
@@ -68,6 +69,7 @@ class Metrics:
         self.engine_kv_usage = Gauge(
             "cosyvoice_engine_kv_usage_ratio", "Fraction of the LM KV cache in use", registry=r)
         self.ready = Gauge("cosyvoice_ready", "1 once the model is loaded and warmed up", registry=r)
+        r.register(_GCPauseCollector(GC_PAUSES))
         self.startup_seconds = Gauge(
             "cosyvoice_startup_seconds", "Where the start went, by phase (set once SERVING; total: to SERVING)",
             ["phase"], registry=r)
@@ -165,6 +167,29 @@ class _StageCollector:
             for s in stages:
                 family.add_metric([s.name], float(getattr(s, attr)))
             yield family
+
+
+class _GCPauseCollector:
+    """This process's garbage collections since the warm-up (gc_pauses.py): each stops every thread
+    for its duration, a request's included."""
+
+    def __init__(self, pauses: GCPauses):
+        self.pauses = pauses
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        count = CounterMetricFamily("cosyvoice_gc_collections", "Python garbage collections, by generation",
+                                    labels=["generation"])
+        seconds = CounterMetricFamily("cosyvoice_gc_pause_seconds",
+                                      "Seconds every thread stood still in Python garbage collections, by generation",
+                                      labels=["generation"])
+        for generation in range(3):
+            count.add_metric([str(generation)], float(self.pauses.count[generation]))
+            seconds.add_metric([str(generation)], float(self.pauses.seconds[generation]))
+        yield count
+        yield seconds
 
 
 def _metrics_only(registry: CollectorRegistry) -> type[MetricsHandler]:
