@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,3 +289,37 @@ def open_compile_cache(config: Config, model_dir: Path, device: torch.device,
                                    CompileCacheKey.for_server(config, model_dir, device))
     cache.load()
     return cache
+
+
+# -- no compiling beside the capture thread ------------------------------------------------------------
+
+_no_compile_holders = 0
+_no_compile_lock = threading.Lock()
+
+
+def stop_compiling() -> None:
+    """From now on torch.compile'd code in this process runs only what it has compiled already; a call
+    that would need a new program (a recompile, or a first compile) runs eagerly instead
+    (`torch.compiler.set_stance("eager_on_recompile")`: in torch 2.13 it compiles nothing new).
+
+    Why: a token2wav batcher's capture thread runs compiled code beside its device thread and the
+    LLM's, and a compile in one thread makes every compiled call in another fail while it traces
+    ("Detected that you are using FX to symbolically trace a dynamo-optimized function"); on an H100
+    the flow estimator then fell back to eager for good. So it is called once everything in the
+    process has compiled and warmed up (`Token2WavBatcher.serve_captures`), and counted: the
+    stance returns to torch's default when the last holder calls `resume_compiling`."""
+    global _no_compile_holders
+    with _no_compile_lock:
+        if _no_compile_holders == 0:
+            torch.compiler.set_stance("eager_on_recompile")
+            log.info("torch.compile: nothing compiles from now on (a call that would compile runs eagerly)")
+        _no_compile_holders += 1
+
+
+def resume_compiling() -> None:
+    """Undo one `stop_compiling`."""
+    global _no_compile_holders
+    with _no_compile_lock:
+        _no_compile_holders -= 1
+        if _no_compile_holders == 0:
+            torch.compiler.set_stance("default")

@@ -229,9 +229,9 @@ class WarmupConfig(_Section):
     capture_streams: int = Field(1, ge=1)
     capture_prompt_tokens: int = Field(250, ge=1)
     capture_speech_tokens: int = Field(250, ge=1)
-    # first_chunks: before SERVING only the set's first-chunk buckets (what a new request waits for: ~5 of 16
-    # flow graphs at 1 stream), the rest by the capture thread after SERVING, beside the first requests
-    # (a start ~20 s shorter on an H100); all: the whole set, and what the warm-up's requests met, before SERVING
+    # first_chunks: before SERVING only the set's first-chunk buckets (what a new request waits for: 9 of the 16
+    # flow graphs at 1 stream; CosyVoice3's causal HiFT: a first chunk's), the rest by the capture thread after
+    # SERVING, beside the first requests; all: the whole set, and what the warm-up's requests met, before SERVING
     capture_before_serving: Literal["first_chunks", "all"] = "first_chunks"
     # (flow cache) the most recent speakers whose flow prompt prefixes are computed at start-up (as many as
     # flow_cache_speaker_bytes holds)

@@ -14,12 +14,19 @@ capture stream is one per process, made on whatever device was current at the fi
 with several GPUs in one process is another GPU's (on an H100 pair: "operation not permitted when
 stream is capturing").
 
+The capture is begun and ended on the graph itself, not with `torch.cuda.graph`, whose entry
+synchronizes the whole device and empties the caching allocator (the other threads' cached blocks
+too, and pinned host memory): harmless at start-up, a stall of every stream and a wave of fresh
+cudaMallocs when captures run beside serving.
+
 The side stream is one per device (`capture_stream`), taken from PyTorch's pool of higher-priority
 streams, which nothing else here uses. `torch.cuda.Stream()` hands out the 32 streams of a pool in
 turn, so a new side stream per capture came round, after 32 captures, to the very stream the LLM
 engine or the token2wav device thread runs on (both from the default pool); with captures beside
 serving, that thread's work then ran on a capturing stream (an H100 server: "Cannot copy between
-CPU and CUDA tensors during CUDA graph capture" in an LLM step).
+CPU and CUDA tensors during CUDA graph capture" in an LLM step). The two runs before a capture
+run there too, at that priority: a capture's warm-up goes ahead of the batches' kernels (two
+recomputing calls of its bucket, tens to hundreds of ms of GPU per capture).
 """
 from __future__ import annotations
 
@@ -34,8 +41,8 @@ CAPTURE_STREAM_PRIORITY = -1  # a pool of its own: the serving threads' streams 
 
 @functools.cache
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every capture on `device` runs on (one capture at a time per process: the token2wav
-    stage's capture thread, or a start-up plan)."""
+    """The stream captures on `device` run on: one capture at a time per token2wav batcher (its capture
+    thread), and a process has one batcher per device."""
     return torch.cuda.Stream(device, priority=CAPTURE_STREAM_PRIORITY)
 
 
@@ -49,8 +56,13 @@ class CapturedCall:
                 for _ in range(2):
                     fn(**inputs)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                self.out = fn(**inputs)
+            with torch.cuda.stream(side):
+                self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    self.out = fn(**inputs)
+                finally:
+                    self.graph.capture_end()
+            # the example inputs, made on this thread's stream, are freed after the capture
             torch.cuda.current_stream(device).wait_stream(side)
 
     def __call__(self, **inputs: Tensor) -> Any:

@@ -12,17 +12,14 @@ vocoder, which re-renders all the mel so far, filled an 80 GB card with graphs a
 Captures never run on a request's path. `warmup` captures the start-up plan's buckets ahead. A
 call of a bucket that has no graph yet runs the bucket's function without a graph on its inputs
 padded to the bucket (the same computation the graph would replay) and records the bucket as
-wanted; `capture_wanted` captures the oldest wanted bucket. The token2wav stage calls it in a
-capture thread of its own, beside the device thread that keeps running the batches
-(token2wav/batcher.py): a capture is recorded on a side stream in `thread_local` mode
-(cuda_graph.py), so the other thread's calls, this holder's included, go on meanwhile. Why: with
-torch.compile'd regions a flow capture takes 1-2 s (16 in 29.5 s on an H100). Captured on first
-use, the first time two or three streams overlapped at a new length a listener waited that long
-(p99 first chunk 1.9 s at 0.35 req/s); captured in the device thread while it was idle, a request
-arriving during a capture waited for it, and under steady traffic the device was never idle, so
-buckets stayed ungraphed (4x H100, 2026-11-28: docs/performance.md). A capture that fails (e.g.
+wanted (`want` marks planned buckets so without a call); `capture_wanted` captures the oldest
+wanted bucket. The token2wav stage calls it in a capture thread of its own, beside the device
+thread that keeps running the batches (token2wav/batcher.py): a capture is recorded on a stream of
+its own in `thread_local` mode (cuda_graph.py), so the other thread's calls, this holder's
+included, go on meanwhile (with compiled regions a flow capture takes 1-2 s; why not on first use
+or while idle: docs/performance.md, "Captures off the request path"). A capture that fails (e.g.
 out of memory) is logged, and its bucket runs without a graph from then on, as one past the
-buckets. `wanted` and `graphs` change under a lock: the device thread adds wanted buckets while
+buckets. `wanted` and `_failed` change under a lock: the device thread adds wanted buckets while
 the capture thread takes them.
 
 All graphs share one memory pool, so each call's outputs are overwritten by the next replay:

@@ -101,7 +101,11 @@ class ReplicaRouter:
         synths: list[Synthesizer] = []
         try:
             for d in devices:
-                synths.append(await Synthesizer.create(on_device(config, d), warmup=warmup, startup=startup))
+                synths.append(await Synthesizer.create(on_device(config, d), warmup=warmup, startup=startup,
+                                                       serve_captures=False))
+            if warmup:  # every replica compiled: from now on nothing compiles (Synthesizer.serve_captures)
+                for s in synths:
+                    await s.serve_captures()
         except BaseException:
             for s in synths:
                 await s.close()
@@ -260,10 +264,14 @@ class Token2WavPool:
         """Returns when a worker's process died (in-process workers never do)."""
         return await first_death(*(w.batcher.wait_dead() for w in self.workers))
 
-    async def capture_graphs(self, plan: CapturePlan, defer: bool = False) -> int:
+    async def capture_graphs(self, plan: CapturePlan, *, defer: bool = False, and_wanted: bool = False) -> int:
         # one worker after another: a capture's warm-up runs may torch.compile, which is not
         # thread-safe (see ReplicaRouter.create)
-        return sum([await w.batcher.capture_graphs(plan, defer) for w in self.workers])
+        return sum([await w.batcher.capture_graphs(plan, defer=defer, and_wanted=and_wanted) for w in self.workers])
+
+    async def serve_captures(self) -> None:
+        for w in self.workers:
+            await w.batcher.serve_captures()
 
     async def close(self) -> None:
         await asyncio.gather(*(w.batcher.close() for w in self.workers))
@@ -287,6 +295,7 @@ async def create_disaggregated(config: Config, warmup: bool = True, startup: Sta
     if warmup:
         synth.ready = False
         await synth.warm_start(startup, rounds=len(pool.workers))
+        await synth.serve_captures()
         synth.ready = True
     log.info("LLM on %s, token2wav on %s", llm_device, ", ".join(t2w_devices))
     return synth

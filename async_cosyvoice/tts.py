@@ -140,11 +140,13 @@ class Synthesizer:
     @classmethod
     async def create(cls, config: Config, warmup: bool = True,
                      token2wav: Callable[[ModelDir], Token2WavBatcher] | None = None,
-                     startup: Startup | None = None) -> "Synthesizer":
-        """Load the model directory, start the engine and (optionally) warm up. `token2wav` builds
-        the token2wav stage elsewhere (placement's disaggregated pool): this device then loads
-        only the LM. `startup` (startup.py) is told each step and times it; without one, the
-        phase table of this start is logged here."""
+                     startup: Startup | None = None, serve_captures: bool = True) -> "Synthesizer":
+        """Load the model directory, start the engine and (optionally) warm up, then
+        `serve_captures` (`serve_captures=False`: the caller does, once every synthesizer of the
+        process has warmed up: placement's replicas). `token2wav` builds the token2wav stage
+        elsewhere (placement's disaggregated pool): this device then loads only the LM. `startup`
+        (startup.py) is told each step and times it; without one, the phase table of this start
+        is logged here."""
         own = startup is None
         startup = startup or Startup()
         with startup.span("load weights", "loading weights"):
@@ -155,10 +157,19 @@ class Synthesizer:
             await synth.engine.start()
         if warmup:
             await synth.warm_start(startup)
+            if serve_captures:
+                await synth.serve_captures()
             if own:
                 log.info("%s", startup.finish().table())
         synth.ready = True
         return synth
+
+    async def serve_captures(self) -> None:
+        """After the warm-up: the token2wav stage's capture thread captures, beside the batches, the
+        CUDA graphs calls want from now on, and nothing compiles in this process any more
+        (Token2WavBatcher.serve_captures). Without a warm-up it is never called: wanted graphs
+        are then not captured."""
+        await self.batcher.serve_captures()
 
     async def warm_start(self, startup: Startup, rounds: int = 1) -> None:
         """`warmup(rounds)`, then the persistent compile cache saved, both timed in `startup`."""

@@ -118,8 +118,8 @@ class Warmup:
     config: Config
     sample_rate: int
     max_tokens: int                     # speech tokens of the warm-up request (its first and final chunks)
-    # (CapturePlan, defer) -> graphs captured: the token2wav stage's capture_graphs
-    capture: Callable[[CapturePlan, bool], Awaitable[int]] | None = None
+    # (plan, defer=, and_wanted=) -> graphs captured: the token2wav stage's capture_graphs
+    capture: Callable[..., Awaitable[int]] | None = None
     captured: int | None = None         # graphs the last run captured (None: no capture ran)
 
     @property
@@ -154,7 +154,7 @@ class Warmup:
     async def run(self, synthesize) -> None:
         t = time.monotonic()
         if self.coverage and self.capture is not None:
-            self.captured = await self.capture(capture_plan(self.config, first_chunks_only=self.defers), False)
+            self.captured = await self.capture(capture_plan(self.config, first_chunks_only=self.defers))
             log.info("warm-up captured %d planned CUDA graph(s) in %.1f s (%s at 1..%d streams; prompt <= %d + "
                      "speech <= %d tokens at 1 stream)", self.captured, time.monotonic() - t,
                      "first chunks" if self.defers else "all chunks", self.plan.max_streams,
@@ -165,7 +165,10 @@ class Warmup:
             # the plan's other buckets and those of the requests it did not hold (they ran without a graph
             # and are wanted): with `capture_before_serving: first_chunks` left to the capture thread, which
             # captures them beside the first requests after SERVING; with `all` captured now
-            self.captured += await self.capture(self.plan, self.defers)
+            if self.defers:
+                await self.capture(self.plan, defer=True)
+            else:
+                self.captured += await self.capture(self.plan, and_wanted=True)
         log.info("warm-up done in %.1f s", time.monotonic() - t)
 
 

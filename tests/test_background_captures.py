@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import next_job_upto
+from torch._dynamo.utils import counters
 
+from async_cosyvoice.compile_cache import resume_compiling, stop_compiling
 from async_cosyvoice.config import Config
 from async_cosyvoice.errors import TextTimeout
 from async_cosyvoice.model_dir import build_models, load_model_dir
@@ -38,7 +40,7 @@ WAIT_S = 60  # a bound for a hung test, never a measured time
 
 class CaptureLog(Token2WavRunner):
     """The real runner; its wanted graphs are names in a list, a "capture" logs the name (in the
-    device thread) and, for names in `hold`, waits there until the test releases it."""
+    capture thread) and, for names in `hold`, waits there until the test releases it."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -102,9 +104,10 @@ def test_a_job_runs_while_a_capture_is_under_way(models, prompt):
     async def scenario():
         runner = CaptureLog(models.flow, models.hift)
         batcher = Token2WavBatcher(runner)
+        await batcher.serve_captures()
         try:
             told = []  # what a token2wav child's server does with it: tell its parent the new graph state
-            batcher.on_capture = lambda: told.append(batcher.background_captures)
+            batcher.on_capture = lambda: told.append((batcher.background_captures, batcher.capturing))
             runner.want("a", "b")
             runner.hold["a"], runner.capturing["a"] = threading.Event(), asyncio.Event()
             stream = new_stream(prompt)
@@ -124,7 +127,9 @@ def test_a_job_runs_while_a_capture_is_under_way(models, prompt):
 
     during, events, captured, still_open, told = asyncio.run(scenario())
     assert during == ["batch of 1", "capture a", "batch of 1", "batch of 1"]
-    assert events == during + ["capture b"] and captured == 2 and still_open == 0 and told == [1, 2]
+    assert events == during + ["capture b"] and captured == 2 and still_open == 0
+    # after each capture, and once the round is over (a child's last word must not say "capturing")
+    assert told == [(1, True), (2, True), (2, False)]
 
 
 def test_a_failed_capture_does_not_stop_the_batcher(models, prompt):
@@ -139,6 +144,7 @@ def test_a_failed_capture_does_not_stop_the_batcher(models, prompt):
     async def scenario():
         runner = Failing(models.flow, models.hift)
         batcher = Token2WavBatcher(runner)
+        await batcher.serve_captures()
         try:
             runner.want("a")
             await batcher.run_on_device(lambda: None)  # anything run on the device starts the captures
@@ -160,6 +166,7 @@ def test_close_waits_for_the_capture_under_way_and_starts_no_other(models, promp
     async def scenario():
         runner = CaptureLog(models.flow, models.hift)
         batcher = Token2WavBatcher(runner)
+        await batcher.serve_captures()
         runner.want("a", "b")
         runner.hold["a"], runner.capturing["a"] = threading.Event(), asyncio.Event()
         await batcher.run_on_device(lambda: None)
@@ -174,23 +181,30 @@ def test_close_waits_for_the_capture_under_way_and_starts_no_other(models, promp
     assert asyncio.run(scenario()) == (False, ["capture a"], ["b"])
 
 
-def test_a_batcher_without_background_captures_leaves_them_to_capture_all_wanted(models, prompt):
-    """A benchmark's throw-away batcher on a runner (cosyvoice_cli/bench/t2w_compare.py) captures
-    nothing by itself; `capture_all_wanted` captures everything wanted, in the capture thread."""
+def test_nothing_is_captured_beside_the_batches_until_serve_captures(models, prompt):
+    """The warm-up's requests (and a benchmark's throw-away batcher on a runner, t2w_compare.py) run
+    before `serve_captures`: the capture thread stays idle, and `capture_all_wanted` captures
+    everything wanted, in that thread; after `serve_captures` it captures by itself."""
     async def scenario():
         runner = CaptureLog(models.flow, models.hift)
-        batcher = Token2WavBatcher(runner, capture_in_background=False)
+        batcher = Token2WavBatcher(runner)
         try:
             runner.want("a", "b")
             await batcher.submit(next_job_upto(new_stream(prompt), TOKENS, False), time.monotonic())
             before = list(runner.events)
             n = await batcher.capture_all_wanted()
-            return before, n, runner.events, batcher._capturing
+            runner.want("c")
+            await batcher.run_on_device(lambda: None)
+            not_yet = (list(runner.events), batcher._capturing)
+            await batcher.serve_captures()
+            await asyncio.wait_for(runner.drained.wait(), WAIT_S)
+            return before, n, not_yet, runner.events
         finally:
             await batcher.close()
 
-    before, n, events, task = asyncio.run(scenario())
-    assert before == ["batch of 1"] and n == 2 and events == before + ["capture a", "capture b"] and task is None
+    before, n, (events_then, task_then), events = asyncio.run(scenario())
+    assert before == ["batch of 1"] and n == 2 and events_then == before + ["capture a", "capture b"]
+    assert task_then is None and events == events_then + ["capture c"]
 
 
 def test_the_warm_up_captures_what_its_own_requests_wanted(models):
@@ -201,7 +215,7 @@ def test_the_warm_up_captures_what_its_own_requests_wanted(models):
         batcher = Token2WavBatcher(runner)
         try:
             runner.want("a", "b")
-            await batcher.capture_graphs(capture_plan(Config()))
+            await batcher.capture_graphs(capture_plan(Config()), and_wanted=True)
             return list(runner.events), list(runner.wanted), batcher._capturing
         finally:
             await batcher.close()
@@ -278,32 +292,32 @@ def test_the_open_stream_count_returns_to_zero_however_a_request_ends(synth):
     assert synth.call(failed()) == ([1], 0)
 
 
-def test_after_the_planned_captures_nothing_recompiles_until_close(models):
-    """Token2WavBatcher._stop_recompiling (called once the warm-up's planned captures are in, where
-    graphs are captured): a compile in one thread breaks compiled calls in the others, and the
-    capture thread runs beside the device thread, so from then on a call that would need a new
-    program runs eagerly; `close` restores torch's default."""
-    from torch._dynamo.utils import counters
-
+def test_once_captures_are_served_nothing_compiles_until_the_last_holder_resumes():
+    """compile_cache.stop_compiling (Token2WavBatcher.serve_captures, where graphs are captured): a
+    compile in one thread breaks compiled calls in the others, and the capture thread runs beside
+    the device thread, so from then on neither a recompile nor a first compile happens: such a call
+    runs eagerly. Counted: the default comes back when the last holder resumes (a batcher's close)."""
     @torch.compile(backend="eager", dynamic=False)
     def double(x):
         return x * 2
 
-    async def scenario():
-        batcher = Token2WavBatcher(CaptureLog(models.flow, models.hift))
-        torch._dynamo.reset()
-        counters.clear()
-        double(torch.ones(3))
-        compiled_before = counters["stats"]["unique_graphs"]
-        batcher._stop_recompiling()
-        try:
-            out = double(torch.ones(5))  # another static shape: a recompile, run eagerly instead
-            return compiled_before, counters["stats"]["unique_graphs"], out
-        finally:
-            await batcher.close()
+    @torch.compile(backend="eager", dynamic=False)
+    def triple(x):
+        return x * 3
 
-    before, after, out = asyncio.run(scenario())
-    assert before == 1 and after == 1 and torch.equal(out, torch.full((5,), 2.0))
-    double(torch.ones(7))  # closed: compiling again
+    torch._dynamo.reset()
+    counters.clear()
+    double(torch.ones(3))
+    stop_compiling()
+    stop_compiling()  # a second batcher of the process (replicas)
+    try:
+        assert torch.equal(double(torch.ones(5)), torch.full((5,), 2.0))  # a recompile: eager instead
+        assert torch.equal(triple(torch.ones(2)), torch.full((2,), 3.0))  # a first compile: eager too
+        resume_compiling()
+        double(torch.ones(6))  # one holder left: still nothing
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        resume_compiling()
+    double(torch.ones(7))  # the last one resumed: compiling again
     assert counters["stats"]["unique_graphs"] == 2
     torch._dynamo.reset()

@@ -104,9 +104,9 @@ def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
             async for chunk in synth.synthesize(request):
                 yield chunk
 
-        async def capture(plan, defer):
-            seen.append(("capture", plan, defer))
-            return await synth.batcher.capture_graphs(plan, defer)
+        async def capture(plan, **how):
+            seen.append(("capture", plan, how))
+            return await synth.batcher.capture_graphs(plan, **how)
         return synthesize, capture
 
     plans = []
@@ -122,7 +122,7 @@ def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
             assert seen[1:3] == [("request", Mode.ZERO_SHOT), ("request", Mode.ZERO_SHOT)]
             # the first chunks' plan first; after the requests the whole plan, deferred (graph_buckets.py)
             assert [what for what, *_ in seen] == ["capture", "request", "request", "capture"]
-            assert seen[0][2:] == (False,) and seen[3][1:] == (capture_plan(config), True)
+            assert seen[0][2] == {} and seen[3][1:] == (capture_plan(config), {"defer": True})
             plans.append(seen[0][1])
     assert plans[0] == plans[1] == capture_plan(config, first_chunks_only=True)
 

@@ -19,12 +19,11 @@ when `offline` limits are given; its batches run in the same device thread.
 
 CUDA graphs of buckets first met by a request (graph_buckets.py: such a call runs without a
 graph and leaves its bucket wanted) are captured in a capture thread of the batcher's own, one at
-a time, while the device thread goes on running batches: a capture takes 1-2 s, and neither a
-listener nor a new request waits for it. Captured in the device thread while it was idle (the
-rule before), a request arriving during a capture waited for it, and under steady traffic the
-device was never idle, so new buckets stayed ungraphed (docs/performance.md, "Captures off the
-request path"). The start-up plan's captures (`capture_graphs`) run in that thread too, so two
-captures never overlap.
+a time, while the device thread goes on running batches (a capture takes 1-2 s; no listener and no
+new request waits for it), from `serve_captures` on: once the process has warmed up, since from
+then on nothing may compile (compile_cache.stop_compiling). The warm-up's planned captures
+(`capture_graphs`) run in that thread too, so two captures never overlap. Why not in the device
+thread while idle, as before: docs/performance.md, "Captures off the request path".
 
 The device work runs in one executor thread, so the event loop never blocks and the model sees
 one caller. The batcher keeps its own counters (`stage_stats`: batches, jobs, busy seconds) and a
@@ -42,9 +41,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 from torch import Tensor
 
+from ..compile_cache import resume_compiling, stop_compiling
 from ..device_errors import device_error
 from ..graph_buckets import CapturePlan, batch_sizes
 from ..stage_stats import StageStats, timed_call
@@ -105,11 +104,9 @@ def flow_positions(job: Token2WavJob) -> int:
 class Token2WavBatcher:
     def __init__(self, runner: Token2WavRunner, max_batch: int = 32, batching: bool = True,
                  max_batch_tokens: int | None = None, offline: OfflineLimits | None = None,
-                 offline_wait_s: float = 0.01, capture_in_background: bool = True):
+                 offline_wait_s: float = 0.01):
         """offline: limits of the offline collector for non-streaming utterances (None: they run
-        here, as one job each); offline_wait_s: how long its oldest job waits for others;
-        capture_in_background: False leaves wanted graphs to `capture_all_wanted` (a benchmark's
-        throw-away batcher on a runner whose own batcher captures)."""
+        here, as one job each); offline_wait_s: how long its oldest job waits for others."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -122,9 +119,9 @@ class Token2WavBatcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav")
         self._capture_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav-capture")
         self._capturing: asyncio.Task | None = None
-        self.capture_in_background = capture_in_background
+        self._serving_captures = False  # `serve_captures` was called: the capture thread may run
+        self._stopped_compiling = False
         self.on_capture: Callable[[], None] | None = None  # after each capture beside the batches (a token2wav child tells its server)
-        self._stopped_recompiling = False
         self._first: list[_Pending] = []  # heaps by (deadline, seq)
         self._rest: list[_Pending] = []
         self._running: list[_Pending] = []  # the batch on the device now
@@ -199,15 +196,16 @@ class Token2WavBatcher:
             raise device_error(result)
         return result
 
-    async def capture_graphs(self, plan: CapturePlan, defer: bool = False) -> int:
+    async def capture_graphs(self, plan: CapturePlan, *, defer: bool = False, and_wanted: bool = False) -> int:
         """The warm-up's CUDA graphs (warmup.py): the whole flow call's (token2wav/flow_graphs.py) and
         HiFT's (token2wav/hift_graphs.py) buckets of `plan`, and the cached flow call's
         (token2wav/slot_calls.py) at the plan's stream counts x its first four new-token buckets (a
         chunk's hop plus its recomputed partial encoder chunk; a speaker's prefix) x every key
-        bucket that holds them. Captured now, in the capture thread, then whatever else is wanted
-        (the warm-up's own requests met it): logs one line per graph kind and returns how many
-        graphs were new (0 without graphs). `defer`: marked wanted instead, for the capture thread
-        to capture beside the batches from now on (after SERVING); returns 0."""
+        bucket that holds them. Captured now, in the capture thread (`and_wanted`: then whatever
+        else is wanted, e.g. what the warm-up's own requests met); logs one line per graph kind
+        and returns how many graphs were new (0 without graphs). `defer`: marked wanted instead,
+        for the capture thread to capture beside the batches once `serve_captures` is called;
+        returns 0."""
         slot_calls = self.runner.slot_calls
         slot_plan = () if slot_calls is None else (
             (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
@@ -220,22 +218,9 @@ class Token2WavBatcher:
             wanted = sum(graphs.want(streams, lengths) for graphs, pairs in kinds for streams, lengths in pairs)
             if wanted:
                 log.info("warm-up: %d planned CUDA graph(s) left to the capture thread, after SERVING", wanted)
-            self._capture_wanted()
             return 0
 
         def capture() -> int:
-            new = 0
-            try:
-                new = capture_planned()
-            finally:
-                if kinds:
-                    self._stop_recompiling()
-            t = time.perf_counter()
-            if left := self.runner.capture_all_wanted():
-                log.info("warm-up: %d CUDA graph(s) its requests wanted captured in %.1f s", left, time.perf_counter() - t)
-            return new + left
-
-        def capture_planned() -> int:
             new = 0
             for graphs, pairs in kinds:
                 t, n = time.perf_counter(), 0
@@ -243,6 +228,10 @@ class Token2WavBatcher:
                     n += graphs.warmup(streams, lengths)
                 log.info("warm-up: %d %s CUDA graph(s) captured in %.1f s", n, graphs.what, time.perf_counter() - t)
                 new += n
+            t = time.perf_counter()
+            if and_wanted and (left := self.runner.capture_all_wanted()):
+                log.info("warm-up: %d CUDA graph(s) its requests wanted captured in %.1f s", left, time.perf_counter() - t)
+                new += left
             return new
         return await self._in_capture_thread(capture)  # after any capture under way: one thread, one at a time
 
@@ -332,19 +321,6 @@ class Token2WavBatcher:
                 # batch is taken, so they batch together instead of alternating
                 await asyncio.sleep(0)
 
-    def _stop_recompiling(self) -> None:
-        """From the planned captures on, torch.compile'd code in this process runs what it has compiled
-        and never recompiles: a call whose shapes would need a new program runs eagerly instead
-        (`torch.compiler.set_stance("eager_on_recompile")`). Why: the capture thread runs compiled
-        code beside the device thread (and the LLM's), and a compile in one thread makes every
-        compiled call in another fail while it traces ("Detected that you are using FX to
-        symbolically trace a dynamo-optimized function"): on an H100 the flow estimator fell back to
-        eager for good that way. Reset by `close`."""
-        if not self._stopped_recompiling:
-            torch.compiler.set_stance("eager_on_recompile")
-            self._stopped_recompiling = True
-            log.info("torch.compile: no recompiles from now on (a call that would recompile runs eagerly)")
-
     @property
     def capturing(self) -> bool:
         """The capture thread is at work (a bucket leaves its holder's `wanted` when its capture starts)."""
@@ -353,9 +329,25 @@ class Token2WavBatcher:
     def _capture_wanted(self) -> None:
         """Start capturing the CUDA graphs the device's calls wanted, in the capture thread, unless
         that is under way or nothing is wanted."""
-        if self._closed or not self.capture_in_background or not self.runner.wants_capture or self.capturing:
+        if self._closed or not self._serving_captures or not self.runner.wants_capture or self.capturing:
             return
         self._capturing = asyncio.get_running_loop().create_task(self._capture_while_wanted(), name="token2wav-capture")
+        if self.on_capture is not None:  # and once more when the round is over (`capturing` false again)
+            self._capturing.add_done_callback(lambda _: self.on_capture())
+
+    async def serve_captures(self) -> None:
+        """From now on (the process warmed up: every replica or pool device of it) the capture thread
+        captures what calls want, beside the batches. Where this device captures CUDA graphs,
+        nothing compiles in the process from here on (compile_cache.stop_compiling): a compile in
+        the capture thread would break the compiled calls of the others. Without it (no warm-up)
+        wanted graphs are not captured: their calls run without a graph."""
+        if self._serving_captures or self._closed:
+            return
+        if self.runner.graph_holders():
+            stop_compiling()
+            self._stopped_compiling = True
+        self._serving_captures = True
+        self._capture_wanted()
 
     async def _capture_while_wanted(self) -> None:
         """Wanted graphs captured one by one (Token2WavRunner.capture_wanted), until none is wanted.
@@ -433,5 +425,6 @@ class Token2WavBatcher:
         self._executor.shutdown(wait=True)
         # a capture under way (1-2 s) finishes first; awaited off the loop, which keeps serving meanwhile
         await asyncio.get_running_loop().run_in_executor(None, self._capture_executor.shutdown)
-        if self._stopped_recompiling:
-            torch.compiler.set_stance("default")
+        if self._stopped_compiling:
+            self._stopped_compiling = False
+            resume_compiling()

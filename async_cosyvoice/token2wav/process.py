@@ -15,7 +15,8 @@ request's seed). One duplex pipe of pickled messages:
                       ("job", key, JobSpec)            one chunk, with the tokens the child lacks
                       ("cancel", key)                  its caller went away: dropped if not started
                       ("close", sid)                   the server's stream is gone
-                      ("call", key, method, args)      prepare_speaker, forget_speaker, capture_graphs
+                      ("call", key, method, args[, kwargs])  prepare_speaker, forget_speaker, capture_graphs,
+                                                       serve_captures
                       ("stop",)
     child -> server   ("ready", device) | ("failed", None, error)   once, after loading
                       ("done", key, result, started, stats) | ("failed", key, error, stats)
@@ -118,7 +119,7 @@ class _Sent:
 class Token2WavProcess:
     """The token2wav stage of one device in a child process; in the Synthesizer's `batcher` slot
     (open_stream, submit, stream_started, stream_ended, pick, stage_stats_list, prepare_speaker,
-    forget_speaker, capture_graphs, wait_dead, close). Construction blocks until the child has loaded its models (call it off the
+    forget_speaker, capture_graphs, serve_captures, wait_dead, close). Construction blocks until the child has loaded its models (call it off the
     loop)."""
 
     def __init__(self, config: Config, model_dir: ModelDir, device: str):
@@ -204,8 +205,11 @@ class Token2WavProcess:
     def forget_speaker(self, speaker_id: str) -> None:
         self._send_quietly(("call", None, "forget_speaker", (speaker_id,)))
 
-    async def capture_graphs(self, plan: CapturePlan, defer: bool = False) -> int:
-        return await self._request("call", "capture_graphs", (plan, defer))
+    async def capture_graphs(self, plan: CapturePlan, *, defer: bool = False, and_wanted: bool = False) -> int:
+        return await self._request("call", "capture_graphs", (plan,), {"defer": defer, "and_wanted": and_wanted})
+
+    async def serve_captures(self) -> None:
+        await self._request("call", "serve_captures", ())
 
     async def wait_dead(self) -> str:
         """Returns (the reason) once the child has died; never while it runs or after close()."""
@@ -350,10 +354,16 @@ class _ChildServer:
     def __init__(self, conn, batcher: Token2WavBatcher):
         self.conn = conn
         self.batcher = batcher
-        # a capture beside the batches changes the graph state after the last reply: told at once
-        batcher.on_capture = lambda: self.conn.send(("graphs", None, ChildStats.of(batcher)))
         self.streams: dict[int, Token2WavStream] = {}
         self.tasks: dict[int, asyncio.Task] = {}
+        # a capture beside the batches changes the graph state after the last reply: told at once
+        batcher.on_capture = self._tell_graphs
+
+    def _tell_graphs(self) -> None:
+        try:
+            self.conn.send(("graphs", None, ChildStats.of(self.batcher)))
+        except (OSError, ValueError):  # the server's end is gone: the inbox reads "stop" next
+            pass
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -379,8 +389,8 @@ class _ChildServer:
             if kind == "job":
                 result = await self._job(*payload)
             else:
-                method, args = payload
-                result = getattr(self.batcher, method)(*args)
+                method, args, *kwargs = payload
+                result = getattr(self.batcher, method)(*args, **(kwargs[0] if kwargs else {}))
                 if asyncio.iscoroutine(result):
                     result = await result
             if key is not None:

@@ -138,7 +138,8 @@ class Token2WavRunner:
         self.length_bucket_ratio = length_bucket_ratio
         self.max_flow_batch = max_flow_batch
         self.stats = RunnerStats()
-        self._cuda_stream: torch.cuda.Stream | None = None  # CUDA: created on first use, in the device thread
+        # CUDA: token2wav's own stream, made here: the device thread and the capture thread both use it
+        self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._batched_flow = isinstance(flow, MaskedDiffFlow)
         self.flow_cache = flow_cache and self._batched_flow
         # the cache's state: in a pool of slots (slot_calls.pool; graph-capturable) or per stream
@@ -167,10 +168,9 @@ class Token2WavRunner:
         return isinstance(self.hift, CausalHiFT)
 
     def cuda_stream(self):
-        """Context for token2wav's device work (in the device thread): on CUDA, our own stream
-        (created on first use), so syncs wait for token2wav's kernels only, not the LM's."""
-        if self.device.type == "cuda" and self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream(self.device)
+        """Context for token2wav's device work (the device thread's, and the capture thread's
+        example inputs): on CUDA, our own stream, so syncs wait for token2wav's kernels only, not the
+        LM's."""
         return torch.cuda.stream(self._cuda_stream)
 
     @torch.inference_mode()

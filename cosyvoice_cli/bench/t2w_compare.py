@@ -102,7 +102,7 @@ async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int,
         if warmup:  # a throw-away batcher: first calls of each shape allocate and tune
             if progress:
                 progress.note(f"token2wav {name}: warm-up")
-            batcher = Token2WavBatcher(runner, capture_in_background=False, **kwargs)
+            batcher = Token2WavBatcher(runner, **kwargs)  # never serve_captures: captured below
             try:
                 await _t2w_round(synth, batcher, voice, [t[:warm_tokens] for t in token_lists], schedule, seed)
             finally:
@@ -111,7 +111,7 @@ async def token2wav_compare(synth: "Synthesizer", concurrency: int, tokens: int,
             await synth.batcher.capture_all_wanted()
         if progress:
             progress.note(f"token2wav {name}: {concurrency} streams x {tokens} tokens")
-        batcher = Token2WavBatcher(runner, capture_in_background=False, **kwargs)
+        batcher = Token2WavBatcher(runner, **kwargs)  # never serve_captures: it captures nothing while timed
         try:
             out[name] = await _t2w_round(synth, batcher, voice, token_lists, schedule, seed)
         finally:
