@@ -34,7 +34,7 @@ Steps (each timed; the results say how long):
    the cold path); for CosyVoice3 the requests are the workload's full length (plan
    warmup_tokens None), since its vocoder re-vocodes the whole mel so far: its HiFT graph
    buckets grow with the utterance;
-   before each timed phase (every closed-loop level, the capacity search) the bench waits until the
+   before each timed phase (every closed-loop level, every capacity trial) the bench waits until the
    server has captured the CUDA graphs its calls wanted (`cosyvoice_device_cuda_graphs_wanted` 0
    on its metrics endpoint; 1-2 s a capture, beside the batches), at most
    --settle-s (default 180 s), and logs one line: the wait, graphs captured, any still wanted
@@ -422,13 +422,14 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
                     max_seconds=min(plan["max_level_seconds"], budget)))
 
         async def capacity():
-            await settle("capacity")
+            async def before_trial(rate: float) -> None:
+                await settle(f"capacity {rate:g}/s")
             results["capacity"] = await bench.capacity_search(
                 target, workload, start_rate=plan["start_rate"], duration_s=plan["duration_s"],
                 max_rate=plan["max_rate"], refine=plan["refine"], within=plan.get("within"),
                 max_trials=plan.get("max_trials", 12), progress=progress, stages=stages, detail=True,
                 drain_timeout_s=max(30.0, 4 * plan["tokens"] * bench.SECONDS_PER_TOKEN),
-                stop_at=deadline - 5.0 - (0.0 if "restart" in skip else plan["restart_s"]))
+                stop_at=deadline - 5.0 - (0.0 if "restart" in skip else plan["restart_s"]), before_trial=before_trial)
 
         await run_phase("warmup", warm)
         await run_phase("sweep", sweep)

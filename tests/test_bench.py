@@ -473,9 +473,11 @@ def test_multi_gpu_server_script_rounds_on_cpu(multi_gpu, tmp_path):
         assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and all(lv["errors"] == 0 for lv in r["levels"])
         # the warm-up runs by default, and every timed phase waits for the server's graphs first
         assert "warmup" not in r["skipped"] and meta["phases"]["warmup_s"] > 0
-        assert [s["before"] for s in r["graph_settle"]] == ["sweep 1", "sweep 2", "capacity"]
-        assert all(s["settled"] for s in r["graph_settle"])
         cap = r["capacity"]
+        trial_rates = [f"capacity {lv['rate']:g}/s" for lv in sorted(cap["trials"], key=lambda lv: lv["rate"])]
+        assert [s["before"] for s in r["graph_settle"]][:2] == ["sweep 1", "sweep 2"]
+        assert sorted(s["before"] for s in r["graph_settle"][2:]) == sorted(trial_rates)  # before every trial
+        assert all(s["settled"] for s in r["graph_settle"])
         assert isinstance(cap["converged"], bool) and 1 <= len(cap["trials"]) <= 3 and cap["within"] == 1.25
         best, worst = cap["bracket"]
         assert (best, worst) == (cap["capacity_rate"], cap["first_failing_rate"])

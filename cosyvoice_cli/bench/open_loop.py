@@ -26,6 +26,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import numpy as np
 
@@ -158,10 +159,12 @@ async def capacity_search(target: Target, workload: Workload, *, start_rate: flo
                           max_rate: float = math.inf, refine: int = 2, within: float | None = None,
                           criteria: CapacityCriteria = CapacityCriteria(), progress: Progress | None = None,
                           stages: StageCounters | None = None, drain_timeout_s: float = 120.0,
-                          max_trials: int = 12, detail: bool = False, stop_at: float | None = None) -> dict:
+                          max_trials: int = 12, detail: bool = False, stop_at: float | None = None,
+                          before_trial: Callable[[float], Awaitable[None]] | None = None) -> dict:
     """The largest passing arrival rate (see the module docstring) and every trial run. With
     `stop_at` (monotonic seconds) no trial starts that could not finish its arrivals and a drain
-    as long again by then; `stopped_early` says so."""
+    as long again by then; `stopped_early` says so. `before_trial(rate)` is awaited before each
+    trial (a server bench waits there for the CUDA graphs the last trial's calls wanted)."""
     if not start_rate > 0:
         raise ValueError(f"start_rate must be > 0, got {start_rate}")
     if within is not None and not within > 1:
@@ -174,6 +177,8 @@ async def capacity_search(target: Target, workload: Workload, *, start_rate: flo
         if stop_at is not None and time.monotonic() + 2 * duration_s > stop_at:
             stopped = True
             return None
+        if before_trial is not None:
+            await before_trial(rate)
         level = await run_open_loop(target, workload, rate, duration_s, progress=progress, stages=stages,
                                     drain_timeout_s=drain_timeout_s, detail=detail)
         ok, why = criteria.check(level)
