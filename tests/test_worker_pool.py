@@ -101,8 +101,11 @@ def test_workers_route_register_and_stream(server, golden_dir):
     assert _metric(st, "cosyvoice_device_up") == {"0": 1.0, "1": 1.0}
     assert all(v > 0 for v in _metric(st, "cosyvoice_device_memory_bytes").values())
     assert all(v > 0 for v in _metric(st, "cosyvoice_device_busy_seconds_total").values())
-    # each worker's CUDA graph state, asked for at the scrape (a CPU captures none)
+    # each worker's CUDA graph state, asked for at the scrape (a CPU captures none): idle workers
+    # reply to the scrape's "stats" call with fresh stats (a capture goes on after a worker's last reply)
+    before = [w.stats for w in pool.workers]
     assert _metric(st, "cosyvoice_device_cuda_graph_background_captures_total") == {"0": 0.0, "1": 0.0}
+    assert all(w.stats is not old and w.stats.graphs is not None for w, old in zip(pool.workers, before))
     assert _scalar(st, "cosyvoice_degraded") == 0.0
 
 
