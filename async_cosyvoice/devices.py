@@ -4,12 +4,16 @@ inside model loading), and what each reports about its share of the work."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import Config
 from .engine.base import EngineStats
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .token2wav.graph_state import DeviceGraphState
 
 
 @dataclass
@@ -24,6 +28,7 @@ class DeviceStats:
     restarts: int = 0        # a worker process: times it was started again after dying
     busy_s: float | None = None        # a worker process: seconds its device stages were busy
     memory_bytes: int | None = None    # a worker process: device memory it holds (CUDA reserved; CPU: RSS)
+    graphs: DeviceGraphState | None = None  # a token2wav device's CUDA graphs (None: none, or not known yet)
 
 
 def visible_cuda_devices() -> list[str]:

@@ -37,6 +37,7 @@ from .stage_stats import StageStats, totals
 from .startup import Startup
 from .token2wav import Token2WavJob, Token2WavStream
 from .token2wav.batcher import Token2WavBatcher
+from .token2wav.graph_state import graph_state_of
 from .token2wav.process import Token2WavProcess, token2wav_worker
 from .tts import Synthesizer
 from .worker_pool import WorkerPool
@@ -179,7 +180,8 @@ class ReplicaRouter:
                            kv_usage=max(s.kv_usage for s in stats))
 
     def device_stats(self) -> list[DeviceStats]:
-        return [DeviceStats(r.device, "replica", r.active, r.served, r.synth.engine_stats()) for r in self.replicas]
+        return [DeviceStats(r.device, "replica", r.active, r.served, r.synth.engine_stats(),
+                            graphs=graph_state_of(r.synth.batcher)) for r in self.replicas]
 
     def stage_stats(self) -> list[StageStats]:
         return totals([st for r in self.replicas for st in r.synth.stage_stats()])
@@ -247,7 +249,8 @@ class Token2WavPool:
         return worker
 
     def device_stats(self) -> list[DeviceStats]:
-        return [DeviceStats(w.device, "token2wav", w.open_streams, w.served) for w in self.workers]
+        return [DeviceStats(w.device, "token2wav", w.open_streams, w.served, graphs=graph_state_of(w.batcher))
+                for w in self.workers]
 
     async def prepare_speaker(self, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
                               speaker_id: str) -> bool:
@@ -311,4 +314,5 @@ def device_stats(synth: "Synthesizer | ReplicaRouter | WorkerPool") -> list[Devi
     if isinstance(synth.batcher, Token2WavPool):
         return [DeviceStats(synth.config.model.device, "llm", engine.running, engine=engine),
                 *synth.batcher.device_stats()]
-    return [DeviceStats(synth.config.model.device, "all", engine.running, engine=engine)]
+    return [DeviceStats(synth.config.model.device, "all", engine.running, engine=engine,
+                        graphs=graph_state_of(synth.batcher))]

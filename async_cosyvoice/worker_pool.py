@@ -330,7 +330,8 @@ class WorkerPool:
 
     def device_stats(self) -> list[DeviceStats]:
         return [DeviceStats(w.device, "worker", w.active, w.served, w.stats.engine, state=w.state,
-                            restarts=w.restarts, busy_s=w.stats.busy_s, memory_bytes=w.stats.memory_bytes)
+                            restarts=w.restarts, busy_s=w.stats.busy_s, memory_bytes=w.stats.memory_bytes,
+                            graphs=w.stats.graphs if w.state == "serving" else None)
                 for w in self.workers]
 
     def refresh_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> None:

@@ -5,10 +5,10 @@ Read from `placement.device_stats(synth)` at scrape time. `index` is the device'
 all. Worker processes (`model.placement: workers`) add their state, restarts, busy seconds and
 device memory; `cosyvoice_degraded` is 1 while one of them is not serving.
 
-Every token2wav device adds its CUDA graph state (token2wav/graph_state.py) by graph `kind` (flow,
-HiFT, cached flow, flow estimator): graphs captured, buckets wanted (met by a call, waiting for their
-capture: those calls run without a graph meanwhile), calls replayed, deferred and past the buckets,
-and the captures of the batcher's capture thread with their seconds. A benchmark waits for the
+Every token2wav device adds its CUDA graph state (DeviceStats.graphs, token2wav/graph_state.py) by
+graph `kind` (flow, HiFT, cached flow, flow estimator): graphs captured, buckets wanted (met by a
+call, waiting for their capture: those calls run without a graph meanwhile), calls replayed,
+deferred and past the buckets, and the captures of the batcher's capture thread with their seconds. A benchmark waits for the
 wanted gauge to be 0 before it times anything. Worker processes are asked for their stats at each
 scrape (WorkerPool.refresh_stats): their captures go on after their last reply.
 """
@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from async_cosyvoice.placement import ReplicaRouter, Token2WavPool, device_stats
-from async_cosyvoice.token2wav.graph_state import DeviceGraphState, graph_state_of
-from async_cosyvoice.tts import Synthesizer
+from async_cosyvoice.placement import device_stats
+from async_cosyvoice.token2wav.graph_state import DeviceGraphState
 from async_cosyvoice.worker_pool import WorkerPool
 
 _LABELS = ["index", "device", "role"]
@@ -54,9 +53,8 @@ class DeviceCollector:
             if isinstance(self.synth, WorkerPool):
                 self.synth.refresh_stats()
             stats = device_stats(self.synth)
-            graphs = graph_states(self.synth)
         except Exception:  # a scrape must never fail because the model is gone
-            stats, graphs = [], {}
+            stats = []
         for i, s in enumerate(stats):
             labels = [str(i), s.device, s.role]
             active.add_metric(labels, s.active)
@@ -69,67 +67,48 @@ class DeviceCollector:
                 busy.add_metric(labels, s.busy_s)
             if s.memory_bytes is not None:
                 memory.add_metric(labels, s.memory_bytes)
-            if (g := graphs.get(i)) is not None:
-                graph_families.add(labels, g)
+            if s.graphs is not None:
+                graph_families.add(labels, s.graphs)
         degraded.add_metric([], float(bool(getattr(self.synth, "degraded", False))))
         yield from (active, assigned, running, up, restarts, busy, memory, degraded)
         yield from graph_families.families()
+
+
+# (attribute of a GraphKindState, family, name, help): one series per device and graph kind
+_KIND_FAMILIES = (
+    ("graphs", GaugeMetricFamily, "cosyvoice_device_cuda_graphs",
+     "CUDA graphs captured on a token2wav device, by kind"),
+    ("wanted", GaugeMetricFamily, "cosyvoice_device_cuda_graphs_wanted",
+     "Buckets a call met that wait for their CUDA graph's capture (their calls run without a graph meanwhile)"),
+    ("replays", CounterMetricFamily, "cosyvoice_device_cuda_graph_replays",
+     "Calls that ran in a CUDA graph (off CUDA: padded to their bucket)"),
+    ("deferred", CounterMetricFamily, "cosyvoice_device_cuda_graph_deferred_calls",
+     "Calls that ran without a graph while their bucket waited for its capture"),
+    ("fallbacks", CounterMetricFamily, "cosyvoice_device_cuda_graph_fallback_calls",
+     "Calls past the graph buckets (or of a bucket whose capture failed), run without a graph"))
+# (attribute of a DeviceGraphState, family, name, help): one series per device
+_DEVICE_FAMILIES = (
+    ("background_captures", CounterMetricFamily, "cosyvoice_device_cuda_graph_background_captures",
+     "Wanted CUDA graphs the token2wav batcher's capture thread captured (beside the batches)"),
+    ("capture_seconds", CounterMetricFamily, "cosyvoice_device_cuda_graph_capture_seconds",
+     "Seconds of the token2wav batcher's captures of wanted graphs"),
+    ("capturing", GaugeMetricFamily, "cosyvoice_device_cuda_graph_capturing",
+     "1 while the token2wav batcher's capture thread is capturing wanted graphs"))
 
 
 class GraphFamilies:
     """The CUDA graph series of the token2wav devices (DeviceGraphState)."""
 
     def __init__(self):
-        self.graphs = GaugeMetricFamily("cosyvoice_device_cuda_graphs", "CUDA graphs captured on a token2wav "
-                                        "device, by kind", labels=_KIND_LABELS)
-        self.wanted = GaugeMetricFamily("cosyvoice_device_cuda_graphs_wanted", "Buckets a call met that wait for "
-                                        "their CUDA graph's capture (their calls run without a graph meanwhile)",
-                                        labels=_KIND_LABELS)
-        self.replays = CounterMetricFamily("cosyvoice_device_cuda_graph_replays", "Calls that ran in a CUDA graph "
-                                           "(off CUDA: padded to their bucket)", labels=_KIND_LABELS)
-        self.deferred = CounterMetricFamily("cosyvoice_device_cuda_graph_deferred_calls", "Calls that ran without a "
-                                            "graph while their bucket waited for its capture", labels=_KIND_LABELS)
-        self.fallbacks = CounterMetricFamily("cosyvoice_device_cuda_graph_fallback_calls", "Calls past the graph "
-                                             "buckets (or of a bucket whose capture failed), run without a graph",
-                                             labels=_KIND_LABELS)
-        self.captures = CounterMetricFamily("cosyvoice_device_cuda_graph_background_captures", "Wanted CUDA "
-                                            "graphs the token2wav batcher's capture thread captured (beside the "
-                                            "batches)", labels=_LABELS)
-        self.capturing = GaugeMetricFamily("cosyvoice_device_cuda_graph_capturing", "1 while the token2wav "
-                                           "batcher's capture thread is capturing wanted graphs", labels=_LABELS)
-        self.capture_seconds = CounterMetricFamily("cosyvoice_device_cuda_graph_capture_seconds", "Seconds of the "
-                                                   "token2wav batcher's captures of wanted graphs", labels=_LABELS)
+        self.per_kind = [(attr, family(name, doc, labels=_KIND_LABELS)) for attr, family, name, doc in _KIND_FAMILIES]
+        self.per_device = [(attr, family(name, doc, labels=_LABELS)) for attr, family, name, doc in _DEVICE_FAMILIES]
 
     def add(self, labels: list[str], state: DeviceGraphState) -> None:
         for k in state.kinds:
-            kind = labels + [k.kind]
-            self.graphs.add_metric(kind, k.graphs)
-            self.wanted.add_metric(kind, k.wanted)
-            self.replays.add_metric(kind, k.replays)
-            self.deferred.add_metric(kind, k.deferred)
-            self.fallbacks.add_metric(kind, k.fallbacks)
-        self.captures.add_metric(labels, state.background_captures)
-        self.capturing.add_metric(labels, float(state.capturing))
-        self.capture_seconds.add_metric(labels, state.capture_seconds)
+            for attr, family in self.per_kind:
+                family.add_metric(labels + [k.kind], float(getattr(k, attr)))
+        for attr, family in self.per_device:
+            family.add_metric(labels, float(getattr(state, attr)))
 
     def families(self):
-        return (self.graphs, self.wanted, self.replays, self.deferred, self.fallbacks, self.captures,
-                self.capture_seconds, self.capturing)
-
-
-def graph_states(synth) -> dict[int, DeviceGraphState]:
-    """The CUDA graph state of each token2wav device by its index in `model.devices` (the rows of
-    placement.device_stats): workers that serve, replicas, a disaggregated pool's token2wav devices
-    (after the LLM's, index 0), or the one device. A token2wav process's state is unknown until it
-    reports one (graph_state_of)."""
-    if isinstance(synth, WorkerPool):
-        found = {w.index: w.stats.graphs for w in synth.workers if w.state == "serving"}
-    elif isinstance(synth, ReplicaRouter):
-        found = {i: graph_state_of(r.synth.batcher) for i, r in enumerate(synth.replicas)}
-    elif isinstance(synth, Synthesizer) and isinstance(synth.batcher, Token2WavPool):
-        found = {1 + i: graph_state_of(w.batcher) for i, w in enumerate(synth.batcher.workers)}
-    elif isinstance(synth, Synthesizer):
-        found = {0: graph_state_of(synth.batcher)}
-    else:  # e.g. Ray Serve's ingress: its replicas report their own
-        found = {}
-    return {i: state for i, state in found.items() if state is not None}
+        return [family for _, family in self.per_kind + self.per_device]
