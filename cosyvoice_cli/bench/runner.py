@@ -87,9 +87,10 @@ async def warm_up(target: Target, workload: Workload, levels: Sequence[int], pro
                   max_tokens: int | None = 60) -> float:
     """One untimed round of short requests (at most `max_tokens` forced tokens; None: the
     workload's) at each of `levels` concurrent streams, so the batch shapes the sweep meets have
-    run once: a server runs a shape it has no CUDA graph for without one and captures the graph
-    when idle (between these rounds, before the sweep), and a speaker registered while serving is
-    warmed at a few stream counts only. Returns the wall time."""
+    run once: a server runs a shape it has no CUDA graph for without one and captures the graph in
+    a capture thread beside its batches (a server bench waits for those captures before it times
+    anything), and a speaker registered while serving is warmed at a few stream counts only.
+    Returns the wall time."""
     tokens = workload.tokens if max_tokens is None or not workload.tokens else min(workload.tokens, max_tokens)
     short = dataclasses.replace(workload, tokens=tokens)
     t = time.monotonic()
