@@ -46,6 +46,12 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=CAPTURE_STREAM_PRIORITY)
 
 
+def fill_corner(buffer: Tensor, value: Tensor) -> None:
+    """Copy `value` into the leading corner of `buffer` (at most its size in every dimension): what
+    a captured call's input buffer holds, the rest being padding."""
+    buffer[tuple(slice(0, n) for n in value.shape)].copy_(value)
+
+
 class CapturedCall:
     def __init__(self, fn: Callable[..., Any], inputs: dict[str, Tensor], device: torch.device, pool=None):
         self.inputs = inputs
@@ -69,7 +75,7 @@ class CapturedCall:
         for name, value in inputs.items():
             buf = self.inputs[name]
             buf.zero_()
-            buf[tuple(slice(0, n) for n in value.shape)].copy_(value)
+            fill_corner(buf, value)
         self.graph.replay()
         return self.out
 

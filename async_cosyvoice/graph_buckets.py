@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .cuda_graph import CapturedCall
+from .cuda_graph import CapturedCall, fill_corner
 from .startup import CAPTURES
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class GraphBuckets:
         """`inputs` padded to the bucket as a graph's buffers hold them (`_buffers`: shapes, dtypes)."""
         buffers = self._buffers(bucket, inputs)
         for name, v in inputs.items():
-            buffers[name][tuple(slice(0, n) for n in v.shape)].copy_(v)
+            fill_corner(buffers[name], v)
         return buffers
 
     def _buffers(self, bucket: Bucket, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
