@@ -97,6 +97,7 @@ class CapturePlan:
 class GraphBuckets:
     what = "call"     # for the log: "capturing the <what> CUDA graph for batch B x T <unit>"
     unit = "positions"
+    compiled = False  # whether `_fn` runs torch.compile'd code (`compile_shapes`)
 
     def __init__(self, device: torch.device, *, cuda_graphs: bool | None, batch_buckets: Sequence[int],
                  min_step: int, max_bucket_size: int | None, max_graphs: int, min_length: int = 1):
@@ -180,6 +181,25 @@ class GraphBuckets:
                 self._capture(bucket, self._example(bucket))
             new += 1
         return new
+
+    def compile_shapes(self, lengths: Sequence[int]) -> int:
+        """Where `_fn` runs compiled code: run the bucket of every batch bucket x `lengths` once
+        without a graph (those past max_bucket_size left out), so that torch.compile has made the
+        programs that every batch size needs before serving. Returns how many buckets ran.
+
+        Why: a compiled region traced at one batch size may need another program at another (on
+        the CPU the flow estimator's resnet convolutions guard on 2 <= rows <= 15), and once the
+        process stops compiling (compile_cache.stop_compiling, when it serves) a call that needs a
+        new program runs eagerly, and so does every replay of a graph captured of it. With a
+        warm-up at 1 stream only, the H200's 16- and 32-stream flow batches ran eagerly
+        (docs/performance.md, "Every batch size compiled before serving")."""
+        if not self.compiled:
+            return 0
+        buckets = self.buckets(self.batch_buckets, lengths)
+        with torch.inference_mode():
+            for bucket in buckets:
+                self._fn(bucket)(**self._example(bucket))
+        return len(buckets)
 
     def want(self, streams: Sequence[int], lengths: Sequence[int]) -> int:
         """Mark the buckets of these stream counts x lengths wanted (`buckets`; those captured or

@@ -104,6 +104,10 @@ def lockstep(runner, streams, device) -> list[tuple[float, int, int]]:
     return rounds
 
 
+def progress(setup: str, what: str, t0: float) -> None:
+    print(f"[{setup}] {what}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def first_chunk_ms(runner, work, device, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -196,12 +200,15 @@ def main(argv=None) -> None:
     for setup in args.setups:
         t0 = time.perf_counter()
         runner = stage(model_dir, models, setup, args)
+        progress(setup, "built", t0)
         with torch.inference_mode():
             lockstep(runner, work.streams(max(args.streams)), device)  # capture / compile, untimed
+            progress(setup, f"first pass of {max(args.streams)} streams (compiles)", t0)
             for n in args.streams:
                 lockstep(runner, work.streams(n), device)
-            while runner.capture_wanted():  # the graphs those calls wanted (the server's batcher: in its capture thread)
-                pass
+            progress(setup, "a pass at every level", t0)
+            # the graphs those calls wanted (the server's batcher: in its capture thread)
+            progress(setup, f"{runner.capture_all_wanted()} wanted graphs captured", t0)
         res: dict = {"setup_s": round(time.perf_counter() - t0, 1), "levels": {}}
         with torch.inference_mode():
             res["first_chunk_ms"] = round(first_chunk_ms(runner, work, device, 5), 2)

@@ -113,6 +113,11 @@ class CompiledEstimator(GraphBuckets):
                      " (CUDA graphs need a CUDA device)"
                      if self.device.type != "cuda" else "")
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the module runs compiled (False: asked not to, or its compile failed)."""
+        return self._compiled
+
     def _call_module(self, **inputs: Tensor) -> Tensor:
         try:
             return self._module_fn(**inputs)

@@ -221,6 +221,12 @@ class Token2WavBatcher:
             return 0
 
         def capture() -> int:
+            for graphs, pairs in kinds:  # first every batch size's compiled programs: captures record them
+                t = time.perf_counter()
+                lengths = [n for _, lengths in pairs for n in (lengths[0], lengths[-1])]
+                if ran := graphs.compile_shapes(sorted(set(lengths))):
+                    log.info("warm-up: %s compiled for every batch size (%d buckets run) in %.1f s", graphs.what,
+                             ran, time.perf_counter() - t)
             new = 0
             for graphs, pairs in kinds:
                 t, n = time.perf_counter(), 0

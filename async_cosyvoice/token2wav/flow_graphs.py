@@ -39,12 +39,15 @@ class FlowGraphs(GraphBuckets):
 
     def __init__(self, flow: Flow, capturable: Callable[..., Tensor], fallback: Callable[..., Tensor] | None = None, *,
                  cuda_graphs: bool | None = None, stream_buckets: Sequence[int] = DEFAULT_STREAM_BUCKETS,
-                 min_token_step: int = 32, max_bucket_tokens: int = 8192, max_graphs: int = 128):
+                 min_token_step: int = 32, max_bucket_tokens: int = 8192, max_graphs: int = 128,
+                 compiled: bool = False):
         """capturable: the estimator to run inside the graph (no graphs of its own: they cannot nest);
-        fallback: the estimator for calls past the buckets (None: the flow's own module)."""
+        fallback: the estimator for calls past the buckets (None: the flow's own module); compiled:
+        whether capturable runs torch.compile'd code (GraphBuckets.compile_shapes)."""
         super().__init__(next(flow.parameters()).device, cuda_graphs=cuda_graphs, batch_buckets=stream_buckets,
                          min_step=min_token_step, max_bucket_size=max_bucket_tokens, max_graphs=max_graphs)
         self.flow, self.capturable, self.fallback = flow, capturable, fallback
+        self.compiled = compiled
 
     @torch.inference_mode()
     def __call__(self, tokens: Tensor, token_lens: Tensor, context_lens: Tensor, prompt_feat: Tensor,

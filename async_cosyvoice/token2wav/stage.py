@@ -8,7 +8,7 @@ import logging
 import torch
 
 from ..config import Config
-from ..estimator import estimator_from_config
+from ..estimator import CompiledEstimator, estimator_from_config
 from ..model_dir import ModelDir, Models, build_models
 from ..models.cosyvoice3.hift import CausalHiFT
 from .batcher import Token2WavBatcher
@@ -32,7 +32,8 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     on_cuda = device.type == "cuda"
     if (t2w.flow_graphs or t2w.hift_graphs) and not on_cuda:
         log.info("token2wav flow_graphs / hift_graphs: CUDA graphs need a CUDA device; on %s they are off", device)
-    flow_graphs = (FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens)
+    flow_graphs = (FlowGraphs(models.flow, estimator.capturable, estimator, max_bucket_tokens=t2w.flow_graph_max_tokens,
+                              compiled=isinstance(estimator, CompiledEstimator) and estimator.compiled)
                    if t2w.flow_graphs and on_cuda else None)
     # CosyVoice3's causal HiFT has no source cache
     cache_samples = (0 if isinstance(models.hift, CausalHiFT) else
