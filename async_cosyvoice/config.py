@@ -227,6 +227,10 @@ class WarmupConfig(_Section):
     # Other buckets run without a graph until the token2wav stage's capture thread has captured them, one at a
     # time beside the batches (0.2-2 s each: never on a request's path; graph_buckets.py)
     capture_streams: int = Field(1, ge=1)
+    # and at 2, 4, ... up to cover_streams streams, buckets of the longest call (and half of it), first in line
+    # for the capture thread after SERVING: until a call's own bucket is captured, it runs in the smallest such
+    # graph that covers it at little extra work (graph_buckets.GraphBuckets.cover) rather than without a graph
+    cover_streams: int = Field(8, ge=1)
     capture_prompt_tokens: int = Field(250, ge=1)
     capture_speech_tokens: int = Field(250, ge=1)
     # first_chunks: before SERVING only the set's first-chunk buckets (what a new request waits for: 9 of the 16

@@ -10,10 +10,12 @@ device keeps `GRAPH_MEMORY_RESERVE` of its memory free; past that the caller run
 vocoder, which re-renders all the mel so far, filled an 80 GB card with graphs at 64 streams).
 
 Captures never run on a request's path. `warmup` captures the start-up plan's buckets ahead. A
-call of a bucket that has no graph yet runs the bucket's function without a graph on its inputs
-padded to the bucket (the same computation the graph would replay) and records the bucket as
-wanted (`want` marks planned buckets so without a call); `capture_wanted` captures the oldest
-wanted bucket. The token2wav stage calls it in a capture thread of its own, beside the device
+call of a bucket that has no graph yet runs in a captured larger bucket's graph where one adds at
+most `max_cover_extra` batch x length (`cover`: padding is exact, so this is the same computation
+with more padding, and a graph is far faster than the launch-bound call without one at small
+batches), else the bucket's function without a graph on its inputs padded to the bucket (the same
+computation the graph would replay); either way it records the bucket as wanted (`want` marks
+planned buckets so without a call), and `capture_wanted` captures the oldest wanted bucket. The token2wav stage calls it in a capture thread of its own, beside the device
 thread that keeps running the batches (token2wav/batcher.py): a capture is recorded on a stream of
 its own in `thread_local` mode (cuda_graph.py), so the other thread's calls, this holder's
 included, go on meanwhile (with compiled regions a flow capture takes 1-2 s; why not on first use
@@ -88,10 +90,21 @@ class CapturePlan:
     flow: tuple[tuple[tuple[int, ...], range], ...]
     hift: tuple[tuple[tuple[int, ...], range], ...]         # CosyVoice2's HiFT: a chunk's frames
     causal_hift: tuple[tuple[tuple[int, ...], range], ...]  # CosyVoice3's CausalHiFT: all the mel so far
+    covers: tuple[int, ...] = ()  # stream counts whose buckets of a kind's longest length (and half) come first
 
     @property
     def max_streams(self) -> int:
         return max((max(streams) for streams, _ in self.flow + self.hift + self.causal_hift), default=1)
+
+    def with_covers(self, pairs: tuple[tuple[tuple[int, ...], range], ...]
+                    ) -> tuple[tuple[tuple[int, ...], Sequence[int]], ...]:
+        """`pairs` of one graph kind (one of the fields above) after its cover buckets: `covers` x
+        the longest length of the pairs and half of it, the graphs that calls of buckets not yet
+        captured run in (GraphBuckets.cover)."""
+        if not self.covers or not pairs:
+            return pairs
+        longest = max(lengths[-1] for _, lengths in pairs)
+        return ((self.covers, (longest // 2, longest)),) + pairs
 
 
 class GraphBuckets:
@@ -100,8 +113,11 @@ class GraphBuckets:
     compiled = False  # whether `_fn` runs torch.compile'd code (`compile_shapes`)
 
     def __init__(self, device: torch.device, *, cuda_graphs: bool | None, batch_buckets: Sequence[int],
-                 min_step: int, max_bucket_size: int | None, max_graphs: int, min_length: int = 1):
-        """min_length: the shortest length a bucket has (shorter calls are padded to it)."""
+                 min_step: int, max_bucket_size: int | None, max_graphs: int, min_length: int = 1,
+                 max_cover_extra: int = 0):
+        """min_length: the shortest length a bucket has (shorter calls are padded to it);
+        max_cover_extra: the most batch x length a captured larger bucket may add to a call whose
+        own bucket has no graph yet, for it to run in that graph (`cover`; 0: never)."""
         self.device = device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and device.type != "cuda":
@@ -111,6 +127,7 @@ class GraphBuckets:
         self.max_bucket_size = max_bucket_size
         self.max_graphs = max_graphs
         self.min_length = min_length
+        self.max_cover_extra = max_cover_extra
         self.graphs: dict[Bucket, CapturedCall] = {}
         self._pool = None
         self._warned_full = False
@@ -121,11 +138,36 @@ class GraphBuckets:
         self.replays = 0    # calls that ran in a graph (or, off CUDA, padded to a bucket)
         self.deferred = 0   # calls that ran padded without a graph while their bucket waited for its capture
         self.fallbacks = 0  # calls past the buckets (or of a bucket whose capture failed)
+        self.covered = 0    # calls that ran in a larger bucket's graph while theirs waited (counted in replays too)
 
     def bucket(self, batch: int, length: int) -> Bucket | None:
-        """The bucket a call of `batch` streams (rows) of `length` falls in, or None: it runs without a graph."""
-        bucket = self._bucket_of(batch, length)
-        return bucket if bucket is not None and self._has_room(bucket) else None
+        """The bucket a call of `batch` streams (rows) of `length` runs in: its own; while its own
+        has no graph yet, a captured larger one that covers it (`cover`), its own then wanted; None:
+        it runs without a graph."""
+        own = self._bucket_of(batch, length)
+        if own is None or not self.cuda_graphs or own in self.graphs:
+            return own
+        room = self._has_room(own)
+        if (cover := self.cover(own)) is not None:
+            if room:
+                self._want(own)
+            self.covered += 1
+            return cover
+        return own if room else None
+
+    def cover(self, bucket: Bucket) -> Bucket | None:
+        """The smallest captured bucket at least as large as `bucket` in batch and length that adds
+        at most `max_cover_extra` to its batch x length, or None. Padding to it is exact, as to a
+        call's own bucket; it is the same computation with more padding. Why: a call whose bucket
+        has no graph yet runs its padded function without one, launch-bound at small batches
+        (on the H200 the estimator at 2 rows x 336 frames: 18.9 ms a step eager, 4.2 ms in a
+        graph), so a graph of a somewhat larger call runs it sooner than its own function would."""
+        if self.max_cover_extra <= 0:
+            return None
+        B, T = bucket
+        fits = [(b * t, (b, t)) for b, t in tuple(self.graphs)  # a copy: the capture thread adds graphs
+                if b >= B and t >= T and b * t - B * T <= self.max_cover_extra]
+        return min(fits)[1] if fits else None
 
     def _has_room(self, bucket: tuple[int, ...]) -> bool:
         """Whether `bucket` has a graph or may capture one (fewer than max_graphs so far, and the
@@ -247,12 +289,16 @@ class GraphBuckets:
             return graph(**inputs)
         if self.cuda_graphs:
             self.deferred += 1
-            with self._lock:
-                if bucket not in self._failed:
-                    self.wanted[bucket] = None
+            self._want(bucket)
         else:
             self.replays += 1
         return self._fn(bucket)(**self._padded(bucket, inputs))
+
+    def _want(self, bucket: Bucket) -> None:
+        """A call met `bucket` without its graph: the capture thread is to capture it."""
+        with self._lock:
+            if bucket not in self._failed:
+                self.wanted[bucket] = None
 
     def _capture(self, bucket: Bucket, inputs: dict[str, Tensor]) -> CapturedCall:
         if self._pool is None:

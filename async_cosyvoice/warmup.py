@@ -12,7 +12,10 @@ depend only on the chunk's hop. So the warm-up
    `warmup.capture_speech_tokens` (every chunk of a request whose
    prompt and speech are at most that long) and HiFT's of every streaming chunk's mel length; at
    2, 4, … up to `warmup.capture_streams` streams (default 1: none), the flow graphs of the first
-   chunks of such prompts and HiFT's chunks. CosyVoice3's causal vocoder re-vocodes all the mel so
+   chunks of such prompts and HiFT's chunks; and at 2, 4, … up to `warmup.cover_streams` (8) streams
+   the buckets of the longest call and of half of it, first: until a call's own bucket is captured
+   it runs in the smallest of these that covers it at little extra work
+   (graph_buckets.GraphBuckets.cover) instead of without a graph. CosyVoice3's causal vocoder re-vocodes all the mel so
    far: its HiFT graphs at 1 stream are every frame bucket up to the speech tokens' mel, at more
    streams a first chunk's. Rarer buckets (more streams, longer utterances) are not captured on
    the request that first meets them: that call runs padded without a graph and the bucket is
@@ -97,7 +100,7 @@ def capture_plan(config: Config, first_chunks_only: bool = False) -> CapturePlan
         flow.append((more, first))
         hift.append((more, frames))
         causal_hift.append((more, first_causal))
-    return CapturePlan(tuple(flow), tuple(hift), tuple(causal_hift))
+    return CapturePlan(tuple(flow), tuple(hift), tuple(causal_hift), covers=tuple(batch_sizes(w.cover_streams)[1:]))
 
 
 def sine_prompt(sample_rate: int, seconds: float = 1.0) -> Audio:

@@ -85,7 +85,9 @@ _KIND_FAMILIES = (
     ("deferred", CounterMetricFamily, "cosyvoice_device_cuda_graph_deferred_calls",
      "Calls that ran without a graph while their bucket waited for its capture"),
     ("fallbacks", CounterMetricFamily, "cosyvoice_device_cuda_graph_fallback_calls",
-     "Calls past the graph buckets (or of a bucket whose capture failed), run without a graph"))
+     "Calls past the graph buckets (or of a bucket whose capture failed), run without a graph"),
+    ("covered", CounterMetricFamily, "cosyvoice_device_cuda_graph_covered_calls",
+     "Calls that ran in a larger bucket's CUDA graph while their own bucket waited for its capture"))
 # (attribute of a DeviceGraphState, family, name, help): one series per device
 _DEVICE_FAMILIES = (
     ("background_captures", CounterMetricFamily, "cosyvoice_device_cuda_graph_background_captures",

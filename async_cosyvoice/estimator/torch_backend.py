@@ -97,10 +97,13 @@ class CompiledEstimator(GraphBuckets):
     def __init__(self, module: nn.Module, *, compile: bool = True, cuda_graphs: bool | None = None,
                  pad_to_buckets: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                  min_length_step: int = 64, max_graphs: int = 256, compile_options: dict | None = None,
-                 compile_regions: bool = False):
+                 compile_regions: bool = False, max_cover_frames: int = 8192):
+        """max_cover_frames: the most rows x frames a larger bucket's graph may add to a call whose
+        bucket waits for its capture (GraphBuckets.cover; these graphs run the flow's large calls,
+        past its whole-call graphs: 8192 is a quarter of 16 streams x 512 tokens)."""
         param = next(module.parameters())
         super().__init__(param.device, cuda_graphs=cuda_graphs, batch_buckets=batch_buckets, min_step=min_length_step,
-                         max_bucket_size=None, max_graphs=max_graphs)
+                         max_bucket_size=None, max_graphs=max_graphs, max_cover_extra=max_cover_frames)
         self.module, self.dtype = module, param.dtype
         self.pad_to_buckets = self.cuda_graphs if pad_to_buckets is None else pad_to_buckets
         self._warned_batch = False

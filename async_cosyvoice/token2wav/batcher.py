@@ -203,16 +203,19 @@ class Token2WavBatcher:
         chunk's hop plus its recomputed partial encoder chunk; a speaker's prefix) x every key
         bucket that holds them. Captured now, in the capture thread (`and_wanted`: then whatever
         else is wanted, e.g. what the warm-up's own requests met); logs one line per graph kind
-        and returns how many graphs were new (0 without graphs). `defer`: marked wanted instead,
-        for the capture thread to capture beside the batches once `serve_captures` is called;
-        returns 0."""
+        and returns how many graphs were new (0 without graphs). The plan's cover buckets
+        (`CapturePlan.with_covers`) come first. `defer`: marked wanted instead, for the capture
+        thread to capture beside the batches once `serve_captures` is called; returns 0. Without
+        `defer`, the compiled code of every batch size runs first (GraphBuckets.compile_shapes), so
+        that these captures and every later one record compiled kernels."""
         slot_calls = self.runner.slot_calls
         slot_plan = () if slot_calls is None else (
             (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
                                                         slot_calls.min_step)),)
         hift_plan = plan.causal_hift if self.runner.causal_vocoder else plan.hift
-        kinds = [(graphs, pairs) for graphs, pairs in ((self.runner.flow_graphs, plan.flow),
-                                                         (self.runner.hift_graphs, hift_plan), (slot_calls, slot_plan))
+        kinds = [(graphs, pairs) for graphs, pairs in ((self.runner.flow_graphs, plan.with_covers(plan.flow)),
+                                                         (self.runner.hift_graphs, plan.with_covers(hift_plan)),
+                                                         (slot_calls, slot_plan))
                  if graphs is not None and graphs.cuda_graphs]
         if defer:
             wanted = sum(graphs.want(streams, lengths) for graphs, pairs in kinds for streams, lengths in pairs)

@@ -23,6 +23,7 @@ class GraphKindState:
     replays: int      # calls that ran in a graph (off CUDA: padded to their bucket)
     deferred: int     # calls that ran without a graph while their bucket waited for its capture
     fallbacks: int    # calls past the buckets (or of a bucket whose capture failed)
+    covered: int = 0  # calls that ran in a larger bucket's graph while theirs waited (counted in replays)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def read_graph_state(batcher: Token2WavBatcher) -> DeviceGraphState:
     kinds: dict[str, list[int]] = {}
     for g in batcher.runner.graph_holders():
         # len() of dicts the device and capture threads change: atomic under the GIL
-        counts = (len(g.graphs), len(g.wanted), g.replays, g.deferred, g.fallbacks)
+        counts = (len(g.graphs), len(g.wanted), g.replays, g.deferred, g.fallbacks, g.covered)
         total = kinds.setdefault(g.what, [0] * len(counts))
         for i, n in enumerate(counts):
             total[i] += n
