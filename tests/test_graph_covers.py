@@ -73,7 +73,8 @@ def test_a_covered_call_replays_the_larger_graph_and_waits_for_its_own(tiny_dir)
     mel, lens = graphs(*inputs)
     assert (graphs.covered, graphs.replays, graphs.deferred) == (1, 1, 0)
     assert list(graphs.wanted) == [(4, 64)]
-    assert_same_frames(mel, lens, *padded_eager(*inputs), atol=1e-4)  # other shapes: other kernels
+    # other shapes pick other kernels, and float32 convolutions use TF32 on CUDA (test_flow_graphs: 2.4e-4)
+    assert_same_frames(mel, lens, *padded_eager(*inputs), atol=1e-3)
     assert graphs.capture_wanted() and (4, 64) in graphs.graphs
     graphs(*inputs)
     assert (graphs.covered, graphs.replays) == (1, 2)
