@@ -16,6 +16,7 @@ from async_cosyvoice.estimator import CompiledEstimator
 from async_cosyvoice.model_dir import build_models, load_model_dir
 from async_cosyvoice.token2wav.flow_graphs import FlowGraphs
 
+from estimator_inputs import estimator_inputs
 from test_flow_graphs import batch_inputs
 
 STREAM_BUCKETS = (1, 2, 4, 8, 16)
@@ -62,3 +63,19 @@ def test_compile_shapes_runs_nothing_where_nothing_is_compiled(models):
     estimator = CompiledEstimator(models.flow.decoder.estimator, compile=False, cuda_graphs=False)
     graphs = FlowGraphs(models.flow, estimator.capturable, estimator, cuda_graphs=False, compiled=estimator.compiled)
     assert graphs.compile_shapes([32, 96]) == 0
+
+
+@pytest.mark.slow
+def test_the_estimators_own_buckets_compile_every_row_count_too(models):
+    """Configs without whole-flow graphs (configs/multi-gpu.yaml) run the compiled estimator in
+    per-step graphs of (rows, frames) buckets: the warm-up runs those buckets the same way."""
+    torch._dynamo.reset()
+    module = models.flow.decoder.estimator
+    estimator = CompiledEstimator(module, compile=True, compile_regions=True, cuda_graphs=False,
+                                  pad_to_buckets=True, batch_buckets=(2, 4, 8, 16, 32))
+    assert estimator.compile_shapes([64, 192]) == 10
+    made = programs()
+    for seed, (rows, frames) in enumerate([(2, 50), (6, 130), (20, 90), (32, 190)]):
+        with torch.inference_mode():
+            estimator(*estimator_inputs(module, rows, frames, seed=seed))
+    assert programs() == made

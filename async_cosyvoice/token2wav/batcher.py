@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..compile_cache import resume_compiling, stop_compiling
 from ..device_errors import device_error
-from ..graph_buckets import CapturePlan, batch_sizes
+from ..graph_buckets import CapturePlan, GraphBuckets, batch_sizes
 from ..stage_stats import StageStats, timed_call
 from .offline import OfflineLimits, is_offline_job
 from .offline_batcher import OfflineBatcher
@@ -224,12 +224,7 @@ class Token2WavBatcher:
             return 0
 
         def capture() -> int:
-            for graphs, pairs in kinds:  # first every batch size's compiled programs: captures record them
-                t = time.perf_counter()
-                lengths = [n for _, lengths in pairs for n in (lengths[0], lengths[-1])]
-                if ran := graphs.compile_shapes(sorted(set(lengths))):
-                    log.info("warm-up: %s compiled for every batch size (%d buckets run) in %.1f s", graphs.what,
-                             ran, time.perf_counter() - t)
+            self._compile_shapes(plan)  # first: the captures below and every later one record compiled code
             new = 0
             for graphs, pairs in kinds:
                 t, n = time.perf_counter(), 0
@@ -243,6 +238,21 @@ class Token2WavBatcher:
                 new += left
             return new
         return await self._in_capture_thread(capture)  # after any capture under way: one thread, one at a time
+
+    def _compile_shapes(self, plan: CapturePlan) -> None:
+        """Every batch size's compiled programs made before serving (GraphBuckets.compile_shapes):
+        the whole flow call's buckets at the plan's shortest and longest flow lengths (tokens), and
+        the compiled estimator's own (configs without whole-flow graphs run it in per-step graphs;
+        frames)."""
+        tokens = sorted({n for _, lengths in plan.flow for n in (lengths[0], lengths[-1])})
+        ratio = self.runner.flow.dims.token_mel_ratio
+        for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.estimator, [ratio * n for n in tokens])):
+            if not isinstance(graphs, GraphBuckets) or not graphs.cuda_graphs:
+                continue
+            t = time.perf_counter()
+            if ran := graphs.compile_shapes(lengths):
+                log.info("warm-up: %s compiled for every batch size (%d buckets run) in %.1f s", graphs.what, ran,
+                         time.perf_counter() - t)
 
     async def capture_all_wanted(self) -> int:
         """Every wanted CUDA graph captured now, in the capture thread (after any capture under way);
