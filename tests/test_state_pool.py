@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from async_cosyvoice.token2wav.slot_calls import SlotCalls
@@ -107,15 +108,21 @@ ROUNDS = [{"start": [100, 75, 0], "end": [128, 100, 90], "keep": [125, 100, 75]}
           {"start": [125, 100, 75], "end": [150, 160, 130], "keep": [150, 150, 125]}]
 
 
-def run_rounds(flow, prompts, **calls_kw):  # noqa: F811
+def run_rounds(flow, prompts, compile_shapes=(), **calls_kw):  # noqa: F811
+    """The rounds through a pool of 3 slots. compile_shapes: first run the compiled step at these
+    new-token lengths (GraphBuckets.compile_shapes, as the warm-up does before serving, when
+    nothing may compile any more); then the rounds must need no new program."""
     pool = StatePool(flow, slots=3, slot_tokens=300)
     calls = SlotCalls(flow, pool, cuda_graphs=False, **({"key_token_step": 32} | calls_kw))
+    made = calls.compile_shapes(compile_shapes) and counters["stats"]["unique_graphs"]
     seqs = [sequence(prompts, "p24", 11), sequence(prompts, "p16", 12), sequence(prompts, "p24", 13)]
     slots = [1, 2, 3]
     for slot, (_, feat, emb) in zip(slots, seqs):
         pool.load_prompt(slot, feat, emb)
     slot_call(calls, seqs[:2], slots[:2], [0, 0], [100, 75], [100, 75])  # the prefixes round 1 starts from
     mels = [slot_call(calls, seqs, slots, **r) for r in ROUNDS]
+    if made:
+        assert counters["stats"]["unique_graphs"] == made, "a call after compile_shapes compiled a new program"
     return calls, seqs, mels
 
 
@@ -142,10 +149,15 @@ def test_capacity_wide_keys_give_the_same_mels(flow, prompts):  # noqa: F811
 
 @pytest.mark.slow
 def test_the_compiled_step_equals_eager_and_writes_the_pool_in_place(flow, prompts):  # noqa: F811
-    """torch.compile of the cached step (inductor's C++ backend here): the same mels, and the state
-    lands in the pool's own storage (a functional copy would leave it unwritten)."""
+    """torch.compile of the cached step (inductor's C++ backend here): the same mels, the state
+    lands in the pool's own storage (a functional copy would leave it unwritten), and after
+    compile_shapes no call compiles anything new."""
     eager, _, eager_mels = run_rounds(flow, prompts)
-    compiled, _, compiled_mels = run_rounds(flow, prompts, compile=True)
+    # every stream bucket x 32 and 64 new tokens x the shortest and longest key bucket first, as the
+    # warm-up before serving (GraphBuckets.compile_shapes): then the rounds compile nothing new
+    torch._dynamo.reset()  # programs are cached per code object: start from none
+    compiled, _, compiled_mels = run_rounds(flow, prompts, compile_shapes=[32, 64], compile=True,
+                                            stream_buckets=(1, 2, 4))
     assert compiled.estimator_step.compiled  # no fallback to eager
     for a, b in zip(eager_mels, compiled_mels):
         for x, y in zip(a, b):
@@ -194,3 +206,4 @@ def test_a_pool_too_large_for_the_device_fails_start_before_allocating(model_dir
         token2wav_batcher(config, Models(llm=None, flow=flow, hift=hift), model_dir)
     config = Config.model_validate({"token2wav": {"flow_cache_slots": "auto"}, "limits": {"max_concurrent_streams": 5}})
     assert token2wav_batcher(config, Models(llm=None, flow=flow, hift=hift), model_dir).runner.state_pool.n_stream_slots == 5
+

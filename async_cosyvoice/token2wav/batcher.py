@@ -56,6 +56,7 @@ from .stream import Token2WavJob, Token2WavStream, request_noise
 log = logging.getLogger(__name__)
 
 FIRST_LANE = "first"
+SLOT_PLAN_STEPS = 4  # the cached flow call's planned new-token buckets: 1..4 x its min_step (see capture_graphs)
 MAIN_LANE = "main"
 
 
@@ -210,7 +211,7 @@ class Token2WavBatcher:
         that these captures and every later one record compiled kernels."""
         slot_calls = self.runner.slot_calls
         slot_plan = () if slot_calls is None else (
-            (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
+            (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, SLOT_PLAN_STEPS * slot_calls.min_step + 1,
                                                         slot_calls.min_step)),)
         hift_plan = plan.causal_hift if self.runner.causal_vocoder else plan.hift
         kinds = [(graphs, pairs) for graphs, pairs in ((self.runner.flow_graphs, plan.with_covers(plan.flow)),
@@ -246,7 +247,10 @@ class Token2WavBatcher:
         frames)."""
         tokens = sorted({n for _, lengths in plan.flow for n in (lengths[0], lengths[-1])})
         ratio = self.runner.flow.dims.token_mel_ratio
-        for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.estimator, [ratio * n for n in tokens])):
+        slot_calls = self.runner.slot_calls
+        new_tokens = [] if slot_calls is None else [slot_calls.min_step, SLOT_PLAN_STEPS * slot_calls.min_step]
+        for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.estimator, [ratio * n for n in tokens]),
+                                (slot_calls, new_tokens)):
             if not isinstance(graphs, GraphBuckets) or not graphs.cuda_graphs:
                 continue
             t = time.perf_counter()

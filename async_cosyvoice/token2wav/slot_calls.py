@@ -69,6 +69,7 @@ class SlotCalls(GraphBuckets):
         # the CFM steps' estimator and the encoder, each compiled as one function of the call's tensors
         self.estimator_step = CompiledSlotCall(lambda *t, cursor, g: estimator(*t, cache=(cursor, g)), compile)
         self.encoder = CompiledSlotCall(lambda x, cursor, g: flow.encode_cached(x, g, cursor, None), compile)
+        self.compiled = compile
 
     def key_bucket(self, end: int) -> int:
         """The key tokens a call whose items end by `end` attends over."""
@@ -80,12 +81,34 @@ class SlotCalls(GraphBuckets):
     def bucket(self, batch: int, length: int, end: int | None = None) -> SlotBucket | None:
         """The (streams, new tokens, key tokens) bucket of a call of `batch` streams computing at
         most `length` new tokens, ending by `end` (None: a slot's capacity), or None: no graph."""
+        bucket = self._slot_bucket_of(batch, length, end)
+        return bucket if bucket is not None and self._has_room(bucket) else None
+
+    def _slot_bucket_of(self, batch: int, length: int, end: int | None) -> SlotBucket | None:
+        """`bucket` by the rule alone (max_graphs and memory not counted)."""
         B = batch_bucket(batch, self.batch_buckets)
         N = length_bucket(max(length, self.min_length), self.min_step)
         if B is None or (self.max_bucket_size is not None and B * N > self.max_bucket_size):
             return None
-        bucket = B, N, self.key_bucket(self.pool.positions if end is None else end)
-        return bucket if self._has_room(bucket) else None
+        return B, N, self.key_bucket(self.pool.positions if end is None else end)
+
+    def compile_shapes(self, lengths: Sequence[int]) -> int:
+        """GraphBuckets.compile_shapes of these buckets: every stream bucket x `lengths` (new
+        tokens) x the shortest and the longest key bucket that holds them, run once on the scratch
+        slot. Returns how many buckets ran."""
+        if not self.compiled:
+            return 0
+        keys = self._key_buckets()
+        buckets = {b for B in self.batch_buckets for n in lengths for k in (keys[0], keys[-1])
+                   if (b := self._slot_bucket_of(B, n, k)) is not None and b[1] <= b[2]}
+        with torch.inference_mode():
+            for bucket in sorted(buckets):
+                self._fn(bucket)(**self._example(bucket))
+        return len(buckets)
+
+    def _key_buckets(self) -> list[int]:
+        step = self.key_token_step or self.pool.positions
+        return sorted({self.key_bucket(k) for k in range(step, self.pool.positions + step, step)})
 
     @torch.inference_mode()
     def __call__(self, tokens: Tensor, slots: Sequence[int], start: Sequence[int], end: Sequence[int],
@@ -111,8 +134,7 @@ class SlotCalls(GraphBuckets):
     def warmup(self, streams: Sequence[int], lengths: Sequence[int]) -> int:
         """Capture the buckets of these stream counts x new-token counts x every key bucket that
         holds them. Returns how many graphs were new."""
-        step = self.key_token_step or self.pool.positions
-        keys = sorted({self.key_bucket(k) for k in range(step, self.pool.positions + step, step)})
+        keys = self._key_buckets()
         new = 0
         if not self.cuda_graphs:
             return new
