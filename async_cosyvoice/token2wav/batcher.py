@@ -56,8 +56,8 @@ from .stream import Token2WavJob, Token2WavStream, request_noise
 log = logging.getLogger(__name__)
 
 FIRST_LANE = "first"
-SLOT_PLAN_STEPS = 4  # the cached flow call's planned new-token buckets: 1..4 x its min_step (see capture_graphs)
 MAIN_LANE = "main"
+SLOT_PLAN_STEPS = 4  # the cached flow call's planned new-token buckets: 1..4 x its min_step (see capture_graphs)
 
 
 @dataclass(order=True)

@@ -42,6 +42,7 @@ HiFTOutput = tuple[Tensor, Tensor]  # speech (1, 480T), source (1, 1, 480T) of o
 # loses without its graph. Not measured as such.
 DEFAULT_COVER_FRAMES = 512
 
+
 class HiFTGraphs(GraphBuckets):
     """Runs a vocoder's padded call in its bucket's graph, or, past the buckets, eagerly:
     CosyVoice2's HiFT through `__call__` (`HiFT.inference_padded`'s signature), CosyVoice3's
