@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 
 FIRST_LANE = "first"
 MAIN_LANE = "main"
-SLOT_PLAN_STEPS = 4  # the cached flow call's planned new-token buckets: 1..4 x its min_step (see capture_graphs)
 
 
 @dataclass(order=True)
@@ -211,7 +210,7 @@ class Token2WavBatcher:
         that these captures and every later one record compiled kernels."""
         slot_calls = self.runner.slot_calls
         slot_plan = () if slot_calls is None else (
-            (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, SLOT_PLAN_STEPS * slot_calls.min_step + 1,
+            (tuple(batch_sizes(plan.max_streams)), range(slot_calls.min_step, 4 * slot_calls.min_step + 1,
                                                         slot_calls.min_step)),)
         hift_plan = plan.causal_hift if self.runner.causal_vocoder else plan.hift
         kinds = [(graphs, pairs) for graphs, pairs in ((self.runner.flow_graphs, plan.with_covers(plan.flow)),
@@ -225,7 +224,7 @@ class Token2WavBatcher:
             return 0
 
         def capture() -> int:
-            self._compile_shapes(plan)  # first: the captures below and every later one record compiled code
+            self._compile_shapes(kinds, plan)  # first: the captures below and every later one record compiled code
             new = 0
             for graphs, pairs in kinds:
                 t, n = time.perf_counter(), 0
@@ -240,19 +239,19 @@ class Token2WavBatcher:
             return new
         return await self._in_capture_thread(capture)  # after any capture under way: one thread, one at a time
 
-    def _compile_shapes(self, plan: CapturePlan) -> None:
+    def _compile_shapes(self, kinds: list[tuple[GraphBuckets, tuple]], plan: CapturePlan) -> None:
         """Every batch size's compiled programs made before serving (GraphBuckets.compile_shapes):
-        the whole flow call's buckets at the plan's shortest and longest flow lengths (tokens), and
-        the compiled estimator's own (configs without whole-flow graphs run it in per-step graphs;
-        frames)."""
-        tokens = sorted({n for _, lengths in plan.flow for n in (lengths[0], lengths[-1])})
-        ratio = self.runner.flow.dims.token_mel_ratio
-        slot_calls = self.runner.slot_calls
-        new_tokens = [] if slot_calls is None else [slot_calls.min_step, SLOT_PLAN_STEPS * slot_calls.min_step]
-        for graphs, lengths in ((self.runner.flow_graphs, tokens), (self.runner.estimator, [ratio * n for n in tokens]),
-                                (slot_calls, new_tokens)):
-            if not isinstance(graphs, GraphBuckets) or not graphs.cuda_graphs:
-                continue
+        each graph kind's buckets at the shortest and longest length of its planned pairs, and the
+        compiled estimator's own (configs without whole-flow graphs run it in per-step graphs) at
+        the plan's flow extremes in frames."""
+        def extremes(pairs) -> list[int]:
+            return sorted({n for _, lengths in pairs for n in (lengths[0], lengths[-1])})
+
+        runs = [(graphs, extremes(pairs)) for graphs, pairs in kinds]
+        if (estimator := self.runner.estimator) in self.runner.graph_holders():
+            ratio = self.runner.flow.dims.token_mel_ratio
+            runs.append((estimator, [ratio * n for n in extremes(plan.flow)]))
+        for graphs, lengths in runs:
             t = time.perf_counter()
             if ran := graphs.compile_shapes(lengths):
                 log.info("warm-up: %s compiled for every batch size (%d buckets run) in %.1f s", graphs.what, ran,
