@@ -517,14 +517,15 @@ def notes(rows: list[dict], raw: dict[str, dict]) -> list[str]:
     if len(hosts) > 1:
         out.append("setups ran on different machines: " + "; ".join(f"{r['setup']} on {r['host']} ({r['gpu']}) at "
                                                                f"{r['time']}" for r in rows))
-    by_round: dict = {}
-    for r in rows:
-        if r["round"] is not None:
-            by_round.setdefault(r["round"], []).append(r)
-    for n, members in sorted(by_round.items()):
-        if len(members) > 1:
-            out.append(f"round {n}: " + " and ".join(f"{r['setup']} ({', '.join(r['devices'])})" for r in members)
-                       + " ran at the same time (own server, ports and client each; the host shared)")
+    # setups that ran at the same time, from each setup's own record (round numbers of separate
+    # invocations merged into one folder repeat)
+    by_name = {r["setup"]: r for r in rows}
+    together = {frozenset([r["setup"], *r["concurrent_with"]]) for r in rows if r["concurrent_with"]}
+    for group in sorted(together, key=lambda g: min(rows.index(by_name[n]) for n in g if n in by_name)):
+        members = [r for r in rows if r["setup"] in group]
+        out.append(f"round {members[0]['round']}: " + " and ".join(
+            f"{r['setup']} ({', '.join(r['devices'])})" for r in members)
+            + " ran at the same time (own server, ports and client each; the host shared)")
     for r in rows:
         if r["skipped"] or r["failed"]:
             out.append(f"{r['setup']}: skipped {', '.join(r['skipped']) or 'nothing'}; failed "

@@ -496,6 +496,23 @@ def test_multi_gpu_server_script_rounds_on_cpu(multi_gpu, tmp_path):
     assert len(list(tmp_path.iterdir())) == 7  # 3 setups + results, 2 tables, the plot: <= 8 files come back
 
 
+def test_multi_gpu_notes_name_the_setups_that_ran_together():
+    """Folders of separate invocations merged: each numbers its rounds from 1, so who ran together
+    comes from each setup's own `concurrent_with`, not from equal round numbers."""
+    script = _load_script("multi_gpu_server_bench")
+
+    def row(name, round_, devices, concurrent_with):
+        return {"setup": name, "round": round_, "devices": devices, "concurrent_with": concurrent_with,
+                "host": "h", "gpu": "g", "time": "t", "skipped": [], "failed": [],
+                "capacity_stopped_early": False, "capacity_converged": True}
+
+    rows = [row("one", 1, ["cuda:0"], ["workers-2-at1"]), row("workers-2-at1", 1, ["cuda:1", "cuda:2"], ["one"]),
+            row("workers-4", 2, ["cuda:0", "cuda:1"], []), row("disaggregated-4", 1, ["cuda:0", "cuda:1"], [])]
+    together = [n for n in script.notes(rows, {}) if "ran at the same time" in n]
+    assert together == ["round 1: one (cuda:0) and workers-2-at1 (cuda:1, cuda:2) ran at the same time "
+                        "(own server, ports and client each; the host shared)"]
+
+
 def test_multi_gpu_setups_parse():
     script = _load_script("multi_gpu_server_bench")
     Setup = script.Setup
