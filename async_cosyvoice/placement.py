@@ -217,13 +217,13 @@ class Token2WavWorker:
     def open_stream(self, *args, **kwargs) -> Token2WavStream:
         return self.batcher.open_stream(*args, **kwargs)
 
-    def stream_started(self) -> None:
+    def stream_started(self, stream: Token2WavStream) -> None:
         self.open_streams += 1
-        self.batcher.stream_started()
+        self.batcher.stream_started(stream)
 
-    def stream_ended(self) -> None:
+    def stream_ended(self, stream: Token2WavStream) -> None:
         self.open_streams -= 1
-        self.batcher.stream_ended()
+        self.batcher.stream_ended(stream)
 
     async def submit(self, job: Token2WavJob, deadline: float) -> torch.Tensor:
         return await self.batcher.submit(job, deadline)

@@ -29,9 +29,9 @@ class Token2WavSink(Protocol):
     `pick` balances."""
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor: ...
 
-    def stream_started(self) -> None: ...
+    def stream_started(self, stream: Token2WavStream) -> None: ...
 
-    def stream_ended(self) -> None: ...
+    def stream_ended(self, stream: Token2WavStream) -> None: ...
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Utterance:
         """Chunks as they are rendered. Closing this iterator closes the engine's token stream
         (aborting the LM request) and drops this segment's pending token2wav job. The sink counts
         the stream as open from the first step of this iterator until it is closed or done."""
-        self.batcher.stream_started()
+        self.batcher.stream_started(self.t2w)
         try:
             if self.speech is not None:
                 async with contextlib.aclosing(self.speech) as speech:
@@ -102,7 +102,7 @@ class Utterance:
             async for chunk in self._render(llm_done=True):
                 yield chunk
         finally:
-            self.batcher.stream_ended()
+            self.batcher.stream_ended(self.t2w)
 
     async def _render(self, llm_done: bool) -> AsyncIterator[AudioChunk]:
         t2w, playback, timeline = self.t2w, self.playback, self.timeline

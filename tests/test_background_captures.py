@@ -321,3 +321,61 @@ def test_once_captures_are_served_nothing_compiles_until_the_last_holder_resumes
     double(torch.ones(7))  # the last one resumed: compiling again
     assert counters["stats"]["unique_graphs"] == 2
     torch._dynamo.reset()
+
+
+def test_captures_give_way_to_a_stream_owed_its_first_chunk(models, prompt):
+    """A stream that started and has no first chunk yet (its LLM tokens on the way) holds the next
+    capture back until its first job is done; a stream that ends without one releases it too."""
+    async def scenario():
+        runner = CaptureLog(models.flow, models.hift)
+        batcher = Token2WavBatcher(runner)
+        await batcher.serve_captures()
+        try:
+            stream = new_stream(prompt)
+            batcher.stream_started(stream)
+            runner.want("a")
+            await batcher.run_on_device(lambda: None)  # the capture thread is asked for "a" ...
+            await asyncio.sleep(0.2)
+            held = list(runner.events)  # ... and waits for the stream's first chunk
+            await batcher.submit(next_job_upto(stream, TOKENS, False), time.monotonic())
+            await asyncio.wait_for(runner.drained.wait(), WAIT_S)
+            await asyncio.wait_for(batcher._capturing, WAIT_S)
+            first = list(runner.events)
+
+            silent = new_stream(prompt)  # started, then ended (cancelled) before any job
+            batcher.stream_started(silent)
+            runner.want("b")
+            await batcher.run_on_device(lambda: None)
+            await asyncio.sleep(0.2)
+            held_b = list(runner.events)
+            batcher.stream_ended(silent)
+            await asyncio.wait_for(runner.drained.wait(), WAIT_S)
+            batcher.stream_ended(stream)
+            return held, first, held_b, runner.events, batcher.first_chunks.owed, batcher.capture_gave_way_s
+        finally:
+            await batcher.close()
+
+    held, first, held_b, events, owed, gave_way = asyncio.run(scenario())
+    assert held == [] and first == ["batch of 1", "capture a"]
+    assert held_b == first and events == first + ["capture b"]
+    assert owed == 0 and gave_way >= 0.4  # two waits of at least the 0.2 s the test held each
+
+
+def test_an_old_stream_owed_its_first_chunk_holds_no_capture_back(models, prompt):
+    """A stream owed its first chunk for longer than the grace (a text-in stream waiting for text)
+    does not hold captures back."""
+    async def scenario():
+        runner = CaptureLog(models.flow, models.hift)
+        batcher = Token2WavBatcher(runner)
+        batcher.first_chunks.grace_s = 0.0
+        await batcher.serve_captures()
+        try:
+            batcher.stream_started(new_stream(prompt))
+            runner.want("a")
+            await batcher.run_on_device(lambda: None)
+            await asyncio.wait_for(runner.drained.wait(), WAIT_S)
+            return runner.events, batcher.first_chunks.owed
+        finally:
+            await batcher.close()
+
+    assert asyncio.run(scenario()) == (["capture a"], 1)

@@ -23,7 +23,9 @@ a time, while the device thread goes on running batches (a capture takes 1-2 s; 
 new request waits for it), from `serve_captures` on: once the process has warmed up, since from
 then on nothing may compile (compile_cache.stop_compiling). The warm-up's planned captures
 (`capture_graphs`) run in that thread too, so two captures never overlap. Why not in the device
-thread while idle, as before: docs/performance.md, "Captures off the request path".
+thread while idle, as before: docs/performance.md, "Captures off the request path". Before each
+capture beside the batches the capture thread gives way to streams owed their first chunk
+(token2wav/first_chunks.py): a capture competes with their LLM steps for the GIL and the card.
 
 The device work runs in one executor thread, so the event loop never blocks and the model sees
 one caller. The batcher keeps its own counters (`stage_stats`: batches, jobs, busy seconds) and a
@@ -47,6 +49,7 @@ from ..compile_cache import resume_compiling, stop_compiling
 from ..device_errors import device_error
 from ..graph_buckets import CapturePlan, GraphBuckets, batch_sizes
 from ..stage_stats import StageStats, timed_call
+from .first_chunks import FirstChunksOwed
 from .offline import OfflineLimits, is_offline_job
 from .offline_batcher import OfflineBatcher
 from .runner import Token2WavRunner
@@ -131,8 +134,10 @@ class Token2WavBatcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.open_streams = 0  # streams between stream_started and stream_ended
+        self.first_chunks = FirstChunksOwed()  # of those, the ones owed their first chunk
         self.background_captures = 0  # wanted CUDA graphs captured in the capture thread (a failed one included)
         self.capture_seconds = 0.0    # their time in the capture thread
+        self.capture_gave_way_s = 0.0  # time they waited for first chunks (FirstChunksOwed.give_way)
         self._closed = False
         self.offline = (OfflineBatcher(runner, self.run_on_device, offline, offline_wait_s)
                         if offline is not None and batching else None)
@@ -153,12 +158,15 @@ class Token2WavBatcher:
         return Token2WavStream(prompt_token, prompt_feat, embedding, noise=request_noise(seed, segment, device),
                                device=device, causal_vocoder=self.runner.causal_vocoder, **options)
 
-    def stream_started(self) -> None:
-        """A segment's stream started on this device (Utterance.run): counted in `open_streams`."""
+    def stream_started(self, stream: Token2WavStream) -> None:
+        """A segment's stream started on this device (Utterance.run): counted in `open_streams`,
+        and owed its first chunk until its first job is done."""
         self.open_streams += 1
+        self.first_chunks.started(id(stream))
 
-    def stream_ended(self) -> None:
+    def stream_ended(self, stream: Token2WavStream) -> None:
         """A segment's stream ended (finished, failed or cancelled)."""
+        self.first_chunks.served(id(stream))
         if self.open_streams <= 0:  # a bookkeeping slip must not take the device down (nor hide a request's error)
             log.error("token2wav stream_ended without stream_started: ignored")
             return
@@ -172,14 +180,18 @@ class Token2WavBatcher:
     async def submit(self, job: Token2WavJob, deadline: float) -> Tensor:
         """Run `job` (applying it to its stream) and return its samples (1-D float32, CPU).
         Cancelling the caller drops a job that has not started yet."""
-        if self.offline is not None and is_offline_job(job):
-            return await self.offline.submit(job)
-        self._ensure_running()
-        fut = asyncio.get_running_loop().create_future()
-        entry = _Pending(deadline, next(self._seq), job, fut, time.monotonic(), self._started)
-        heapq.heappush(self._first if job.index == 0 else self._rest, entry)
-        self._wake.set()
-        return await fut
+        try:
+            if self.offline is not None and is_offline_job(job):
+                return await self.offline.submit(job)
+            self._ensure_running()
+            fut = asyncio.get_running_loop().create_future()
+            entry = _Pending(deadline, next(self._seq), job, fut, time.monotonic(), self._started)
+            heapq.heappush(self._first if job.index == 0 else self._rest, entry)
+            self._wake.set()
+            return await fut
+        finally:
+            if job.index == 0:
+                self.first_chunks.served(id(job.stream))
 
     @property
     def pending(self) -> int:
@@ -376,6 +388,10 @@ class Token2WavBatcher:
         A capture's own failure is the runner's to log (its bucket then runs without a graph);
         anything else out of it is logged here and stops this round, never the batcher."""
         while not self._closed and self.runner.wants_capture:
+            gave_way = await self.first_chunks.give_way()
+            self.capture_gave_way_s += gave_way
+            if self._closed:
+                return
             try:
                 captured, seconds = await self._in_capture_thread(self.runner.capture_wanted, timed=True)
             except Exception:  # noqa: BLE001
@@ -387,8 +403,9 @@ class Token2WavBatcher:
             self.capture_seconds += seconds
             if self.on_capture is not None:
                 self.on_capture()
-            log.info("CUDA graph captured beside the batches: %.1f s (%d so far; %d calls ran without a graph "
-                     "waiting for theirs, %d still wanted)", seconds, self.background_captures,
+            log.info("CUDA graph captured beside the batches: %.1f s, after giving way to first chunks for %.2f s "
+                     "(%d so far; %d calls ran without a graph waiting for theirs, %d still wanted)", seconds, gave_way,
+                     self.background_captures,
                      sum(g.deferred for g in self.runner.graph_holders()),
                      sum(len(g.wanted) for g in self.runner.graph_holders()))
 

@@ -190,12 +190,12 @@ class Token2WavProcess:
         job.stream.advance(job, samples.numel())
         return samples
 
-    def stream_started(self) -> None:
+    def stream_started(self, stream: Token2WavStream) -> None:
         """A segment's stream on this device began (Utterance.run): counted here, where the
-        segment runs; the child only renders jobs."""
+        segment runs; the child only renders jobs (its captures do not give way to first chunks)."""
         self.open_streams += 1
 
-    def stream_ended(self) -> None:
+    def stream_ended(self, stream: Token2WavStream) -> None:
         self.open_streams -= 1
 
     async def prepare_speaker(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor,
