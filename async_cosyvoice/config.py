@@ -233,10 +233,12 @@ class WarmupConfig(_Section):
     cover_streams: int = Field(8, ge=1)
     capture_prompt_tokens: int = Field(250, ge=1)
     capture_speech_tokens: int = Field(250, ge=1)
-    # first_chunks: before SERVING only the set's first-chunk buckets (what a new request waits for: 9 of the 16
-    # flow graphs at 1 stream; CosyVoice3's causal HiFT: a first chunk's), the rest by the capture thread after
-    # SERVING, beside the first requests; all: the whole set, and what the warm-up's requests met, before SERVING
-    capture_before_serving: Literal["first_chunks", "all"] = "first_chunks"
+    # covering: before SERVING only the shortest and the longest of the set's first-chunk buckets (2 of the 16 flow
+    # graphs at 1 stream, 2 of HiFT's 9): the longest runs, padded, every first chunk whose own graph is not captured
+    # yet (graph_buckets.GraphBuckets.cover); first_chunks: every first-chunk bucket (9 flow graphs; CosyVoice3's
+    # causal HiFT: a first chunk's); either way the rest by the capture thread after SERVING, beside the first
+    # requests; all: the whole set, and what the warm-up's requests met, before SERVING
+    capture_before_serving: Literal["covering", "first_chunks", "all"] = "covering"
     # (flow cache) the most recent speakers whose flow prompt prefixes are computed at start-up (as many as
     # flow_cache_speaker_bytes holds)
     max_speakers: int = Field(8, ge=0)

@@ -22,8 +22,10 @@ depend only on the chunk's hop. So the warm-up
    captured later, one graph at a time, by the token2wav stage's capture thread beside its batches
    (graph_buckets.py, token2wav/batcher.py). Captured on first use, a compiled flow graph cost
    the listener ~2 s: the first time two or three streams overlapped at a new length. With
-   `warmup.capture_before_serving: first_chunks` (the default) only the set's first-chunk buckets
-   are captured here; the rest is left to that thread, after SERVING (`Warmup.run`);
+   `warmup.capture_before_serving: covering` (the default) only the shortest and the longest of
+   the set's first-chunk buckets are captured here (the longest covers every first chunk, padded,
+   until its own graph is captured), with `first_chunks` every first-chunk bucket; the rest is
+   left to that thread, after SERVING (`Warmup.run`);
 2. runs short streamed syntheses through every stage (`Warmup.requests`): where shapes are
    captured, two zero-shot ones, with a prompt as long as the capture set covers
    (`capture_prompt_tokens`, 10 s) and with half of it, so that the LM has prefilled a long and a
@@ -47,6 +49,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
@@ -77,12 +80,16 @@ def chunk_mel_frames(config: Config) -> range:
     return range(16, longest + 16, 16)
 
 
-def capture_plan(config: Config, first_chunks_only: bool = False) -> CapturePlan:
+def capture_plan(config: Config, before_serving: bool = False) -> CapturePlan:
     """The fixed capture set of this config (see the module docstring); steps of 16 tokens / frames
-    reach every bucket (the flow's are >= 32 tokens wide, HiFT's >= 16 frames). `first_chunks_only`:
-    its buckets of first chunks (and HiFT's chunks), what `warmup.capture_before_serving:
-    first_chunks` captures before SERVING."""
+    reach every bucket (the flow's are >= 32 tokens wide, HiFT's >= 16 frames). `before_serving`:
+    the part of it that `warmup.capture_before_serving` captures before SERVING: `first_chunks`,
+    the buckets of first chunks (and HiFT's chunks); `covering`, of those only the shortest and
+    the longest at each stream count (the longest covers every other first chunk by padding until
+    its own graph is captured: GraphBuckets.cover; the shortest keeps the length extremes that
+    compile_shapes runs); `all`, the whole set."""
     w, t2w = config.warmup, config.token2wav
+    part = w.capture_before_serving if before_serving else "all"
     s = ChunkSchedule(first_hop=t2w.first_hop, max_hop_multiple=t2w.max_hop_multiple)
     frames = chunk_mel_frames(config)
     whole = range(16, w.capture_prompt_tokens + w.capture_speech_tokens + 16, 16)
@@ -92,9 +99,11 @@ def capture_plan(config: Config, first_chunks_only: bool = False) -> CapturePlan
     first = range(16, w.capture_prompt_tokens + 2 * s.first_hop + s.pre_lookahead + 16, 16)
     first_causal = range(16, s.token_mel_ratio * (2 * s.first_hop + s.pre_lookahead) + 16, 16)
     more = tuple(batch_sizes(w.capture_streams)[1:])
-    if first_chunks_only:
+    if part != "all":
+        def ends(lengths: Sequence[int]) -> Sequence[int]:
+            return (lengths[0], lengths[-1]) if part == "covering" else lengths
         streams = (1, *more)
-        return CapturePlan(((streams, first),), ((streams, frames),), ((streams, first_causal),))
+        return CapturePlan(((streams, ends(first)),), ((streams, ends(frames)),), ((streams, ends(first_causal)),))
     flow, hift, causal_hift = [((1,), whole)], [((1,), frames)], [((1,), causal)]
     if more:
         flow.append((more, first))
@@ -152,21 +161,22 @@ class Warmup:
     @property
     def defers(self) -> bool:
         """Whether part of the plan is left to the capture thread, after SERVING."""
-        return self.config.warmup.capture_before_serving == "first_chunks"
+        return self.config.warmup.capture_before_serving != "all"
 
     async def run(self, synthesize) -> None:
         t = time.monotonic()
         if self.coverage and self.capture is not None:
-            self.captured = await self.capture(capture_plan(self.config, first_chunks_only=self.defers))
+            self.captured = await self.capture(capture_plan(self.config, before_serving=True))
             log.info("warm-up captured %d planned CUDA graph(s) in %.1f s (%s at 1..%d streams; prompt <= %d + "
                      "speech <= %d tokens at 1 stream)", self.captured, time.monotonic() - t,
-                     "first chunks" if self.defers else "all chunks", self.plan.max_streams,
+                     {"first_chunks": "first chunks", "covering": "the shortest and longest first chunks",
+                      "all": "all chunks"}[self.config.warmup.capture_before_serving], self.plan.max_streams,
                      self.config.warmup.capture_prompt_tokens, self.config.warmup.capture_speech_tokens)
         for request in self.requests():
             await drain(synthesize(request))
         if self.captured is not None:
             # the plan's other buckets and those of the requests it did not hold (they ran without a graph
-            # and are wanted): with `capture_before_serving: first_chunks` left to the capture thread, which
+            # and are wanted): with `capture_before_serving: first_chunks` or `covering` left to the capture thread, which
             # captures them beside the first requests after SERVING; with `all` captured now
             if self.defers:
                 await self.capture(self.plan, defer=True)

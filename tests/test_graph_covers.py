@@ -57,7 +57,7 @@ def test_the_plan_captures_its_covers_first():
     assert plan.covers == (2, 4, 8)
     assert plan.with_covers(plan.flow)[0] == ((2, 4, 8), (longest // 2, longest))
     assert plan.with_covers(plan.flow)[1:] == plan.flow
-    assert capture_plan(config, first_chunks_only=True).covers == ()  # before SERVING: first chunks only
+    assert capture_plan(config, before_serving=True).covers == ()  # before SERVING: first chunks only
     config.warmup.cover_streams = 1
     assert capture_plan(config).with_covers(plan.flow) == plan.flow
 

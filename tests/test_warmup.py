@@ -77,9 +77,8 @@ def test_first_chunk_plan_covers_every_first_chunk_and_is_part_of_the_plan(tiny_
     """`capture_before_serving: first_chunks` captures before SERVING the plan's buckets that a new
     request's first chunk can meet (any prompt <= capture_prompt_tokens, a padded first hop, the
     look-ahead) and every HiFT chunk; the rest of the plan is left to the capture thread."""
-    config = Config()
-    assert config.warmup.capture_before_serving == "first_chunks"
-    flow, hift, first_flow, first_hift = plan_buckets(tiny_models, capture_plan(config, first_chunks_only=True))
+    config = Config.model_validate({"warmup": {"capture_before_serving": "first_chunks"}})
+    flow, hift, first_flow, first_hift = plan_buckets(tiny_models, capture_plan(config, before_serving=True))
     _, _, all_flow, all_hift = plan_buckets(tiny_models, capture_plan(config))
     assert set(first_flow) < set(all_flow) and first_hift == all_hift
     first_hop, lookahead = config.token2wav.first_hop, 3
@@ -87,6 +86,30 @@ def test_first_chunk_plan_covers_every_first_chunk_and_is_part_of_the_plan(tiny_
         for hop in range(first_hop, 2 * first_hop):  # prompt_align pads the first hop to < 2 first hops
             assert flow.bucket(1, prompt + hop + lookahead) in first_flow, (prompt, hop)
     assert len(first_flow) == 9 and len(all_flow) == 16  # 32-token buckets up to 283 tokens of 500
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_covering_plan_covers_every_first_chunk_with_two_graphs_per_stream_count(tiny_models, streams):
+    """`capture_before_serving: covering` (the default) captures before SERVING the shortest and the
+    longest first-chunk bucket at each stream count: by the graphs' own cover rule
+    (GraphBuckets.cover) the longest runs every other first chunk and HiFT chunk until its own graph
+    is captured, and the length extremes that compile_shapes runs stay those of `first_chunks`."""
+    config = Config.model_validate({"warmup": {"capture_streams": streams}})
+    assert config.warmup.capture_before_serving == "covering"
+    first_only = Config.model_validate({"warmup": {"capture_streams": streams, "capture_before_serving": "first_chunks"}})
+    flow, hift, cover_flow, cover_hift = plan_buckets(tiny_models, capture_plan(config, before_serving=True))
+    _, _, first_flow, first_hift = plan_buckets(tiny_models, capture_plan(first_only, before_serving=True))
+    n = len(batch_sizes(streams))
+    assert len(cover_flow) == len(cover_hift) == 2 * n and set(cover_flow) < set(first_flow)
+    assert set(cover_hift) < set(first_hift)
+    flow.graphs, hift.graphs = dict.fromkeys(cover_flow), dict.fromkeys(cover_hift)  # as if captured
+    for bucket in first_flow:
+        assert bucket in cover_flow or flow.cover(bucket) is not None, bucket
+    for bucket in first_hift:
+        assert bucket in cover_hift or hift.cover(bucket) is not None, bucket
+    for plan in (capture_plan(config, before_serving=True), capture_plan(first_only, before_serving=True)):
+        assert [(s, (ls[0], ls[-1])) for s, ls in plan.flow] == [
+            (s, (ls[0], ls[-1])) for s, ls in capture_plan(first_only, before_serving=True).flow]
 
 
 def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
@@ -124,7 +147,7 @@ def test_capture_set_does_not_depend_on_registered_speakers(tiny_dir, tmp_path):
             assert [what for what, *_ in seen] == ["capture", "request", "request", "capture"]
             assert seen[0][2] == {} and seen[3][1:] == (capture_plan(config), {"defer": True})
             plans.append(seen[0][1])
-    assert plans[0] == plans[1] == capture_plan(config, first_chunks_only=True)
+    assert plans[0] == plans[1] == capture_plan(config, before_serving=True)
 
 
 def test_warmup_runs_the_lm_decode_graphs_of_a_speakers_first_chunk(tiny_dir, tmp_path):
