@@ -42,8 +42,11 @@ Steps (each timed; the results say how long):
 6. the closed-loop sweep 1, 4, 16, 32, 64 streams of 250 forced tokens (10 s of audio),
    requests per level 4, 8, 32, 64, 128, each level stopped after --max-level-seconds;
 7. the open-loop capacity search: Poisson arrivals of the same 10-s requests, doubling the rate
-   from --start-rate, then bisecting, each trial --duration seconds of arrivals; capacity = the
-   largest rate with p99 first chunk <= 300 ms and >= 99 % of requests free of underruns;
+   from --start-rate, then bisecting, each trial at least --duration (20) seconds of arrivals and at
+   least --min-requests (40; --quick 3) requests: max(duration, N / rate) seconds, on to the N-th
+   arrival if fewer came (a p99 over ~10 requests is their maximum); capacity = the largest rate
+   with p99 first chunk <= 300 ms and >= 99 % of requests free of underruns, reported with the
+   requests of the deciding trials; each trial's seconds and requests are in the table and JSON;
 8. the server is stopped (SIGINT, then SIGKILL after 30 s);
 9. restart: the same server started again (same speaker store, same torch.compile cache): time to
    SERVING and its phase table (it captures the same graph set as the first start), its first
@@ -86,10 +89,10 @@ from async_cosyvoice.tools.make_random_model import make_random_model
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = dict(levels=[1, 4, 16, 32, 64], requests={1: 4, 4: 8, 16: 32, 32: 64, 64: 128}, tokens=250,
-            prompt_seconds=6.0, start_rate=1.0, duration_s=20.0, max_rate=32.0, refine=2, max_level_seconds=25.0,
-            llm_batches=[1, 32, 128], ready_timeout_s=300.0, restart_s=100.0)
+            prompt_seconds=6.0, start_rate=1.0, duration_s=20.0, min_requests=bench.MIN_REQUESTS, max_rate=32.0,
+            refine=2, max_level_seconds=25.0, llm_batches=[1, 32, 128], ready_timeout_s=300.0, restart_s=100.0)
 QUICK = dict(levels=[1, 2], requests={1: 2, 2: 2}, tokens=20, prompt_seconds=1.0, start_rate=1.0, duration_s=2.0,
-             max_rate=2.0, refine=0, max_level_seconds=10.0, llm_batches=[], ready_timeout_s=300.0,
+             min_requests=3, max_rate=2.0, refine=0, max_level_seconds=10.0, llm_batches=[], ready_timeout_s=300.0,
              restart_s=0.0)
 QUICK_PRESETS = {"cosyvoice2-0.5b": "tiny", "cosyvoice3-0.5b": "cosyvoice3-tiny"}
 SETTLE_S = 180.0  # the longest wait for the server's pending CUDA graph captures before a timed phase
@@ -108,7 +111,11 @@ def add_server_arguments(ap: argparse.ArgumentParser, out_default: str, budget_s
     ap.add_argument("--levels", help=f"closed-loop levels (default {','.join(map(str, levels))})")
     ap.add_argument("--tokens", type=int, help="forced tokens per request (default 250)")
     ap.add_argument("--start-rate", type=float)
-    ap.add_argument("--duration", type=float, help="seconds of arrivals per capacity trial (default 20)")
+    ap.add_argument("--duration", type=float, help="seconds of arrivals per capacity trial, at least (default 20)")
+    ap.add_argument("--min-requests", type=bench.non_negative_int, metavar="N",
+                    help="requests per capacity trial, at least: a trial lasts max(--duration, N / rate) s of "
+                         f"arrivals, on to the N-th arrival if fewer came (default {bench.MIN_REQUESTS}; --quick "
+                         f"{QUICK['min_requests']})")
     ap.add_argument("--max-level-seconds", type=float)
     ap.add_argument("--budget-s", type=float, default=budget_s)
     ap.add_argument("--quick", action="store_true", help="CPU smoke test: tiny model, small workload")
@@ -127,7 +134,7 @@ def make_plan(args, full: dict, quick: dict) -> dict:
     if args.quick:  # the full-size presets' tiny twins
         args.preset = QUICK_PRESETS.get(args.preset, args.preset)
     for key, value in (("tokens", args.tokens), ("start_rate", args.start_rate), ("duration_s", args.duration),
-                       ("max_level_seconds", args.max_level_seconds)):
+                       ("min_requests", args.min_requests), ("max_level_seconds", args.max_level_seconds)):
         if value is not None:
             plan[key] = value
     if args.levels:
@@ -426,9 +433,9 @@ async def measure_server(plan: dict, server: ServerProcess, results: dict, phase
                 await settle(f"capacity {rate:g}/s")
             results["capacity"] = await bench.capacity_search(
                 target, workload, start_rate=plan["start_rate"], duration_s=plan["duration_s"],
-                max_rate=plan["max_rate"], refine=plan["refine"], within=plan.get("within"),
-                max_trials=plan.get("max_trials", 12), progress=progress, stages=stages, detail=True,
-                drain_timeout_s=max(30.0, 4 * plan["tokens"] * bench.SECONDS_PER_TOKEN),
+                min_requests=plan["min_requests"], max_rate=plan["max_rate"], refine=plan["refine"],
+                within=plan.get("within"), max_trials=plan.get("max_trials", 12), progress=progress, stages=stages,
+                detail=True, drain_timeout_s=max(30.0, 4 * plan["tokens"] * bench.SECONDS_PER_TOKEN),
                 stop_at=deadline - 5.0 - (0.0 if "restart" in skip else plan["restart_s"]), before_trial=before_trial)
 
         await run_phase("warmup", warm)

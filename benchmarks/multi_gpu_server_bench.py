@@ -42,14 +42,17 @@ Per setup (benchmarks/h200_server_bench.py's server code): the server in a child
 the closed loop: 1 stream (8 sequential requests: the first chunk p50 of one stream) and 32 x GPUs
 streams (2 requests per stream at most, sending stopped after --max-level-seconds), then the
 open-loop capacity search: Poisson arrivals of the same 250-token (10 s of audio) requests,
---duration (default 8) seconds each trial, from --rate-per-gpu x GPUs (default 1 req/s per GPU, about an
-H200's), doubling while it passes (halving while it fails), then bisecting geometrically until the
-smallest failing rate is within 25 % of the largest passing one, at most 5 trials: the capacity
-is the largest rate with p99 first chunk <= 300 ms and >= 99 % of requests free of underruns (the
-single-GPU bench's criterion), reported with its bracket and `converged` (false when no trial
-failed, none passed, or the trials or the time ran out). Before the closed loop, the single-GPU
-bench's untimed warm-up: one round of short requests at each closed-loop level (1 and 32 x GPUs);
-before each timed phase (each level, the capacity search) the wait for the server's pending CUDA
+each trial at least --duration (default 8) seconds of arrivals and at least --min-requests
+(default 40; --quick 3) requests: max(duration, N / rate) seconds, on to the N-th arrival if fewer
+came (at 1 req/s: 40 s; a p99 over the ~8 requests of 8 s is their maximum, one slow request
+failing the trial), from --rate-per-gpu x GPUs (default 1 req/s per GPU, about an H200's), doubling
+while it passes (halving while it fails), then bisecting geometrically until the smallest failing
+rate is within 25 % of the largest passing one, at most 5 trials: the capacity is the largest rate
+with p99 first chunk <= 300 ms and >= 99 % of requests free of underruns (the single-GPU bench's
+criterion), reported with its bracket, `converged` (false when no trial failed, none passed, or
+the trials or the time ran out) and the requests of the two deciding trials. Before the closed
+loop, the single-GPU bench's untimed warm-up: one round of short requests at each closed-loop
+level (1 and 32 x GPUs); before each timed phase (each level, the capacity search) the wait for the server's pending CUDA
 graph captures, at most --settle-s (default 180 s; results "graph_settle"). `--skip warmup` drops
 the warm-up, `--skip sweep` the closed-loop levels.
 In every setup `limits.max_concurrent_streams` is max(256, 2 x the largest level).
@@ -61,9 +64,11 @@ servers it starts.
 Time: --budget-s (default 540 s: one 10-minute machine call with room to spare) is shared: the
 model first, then each round gets the time left divided by the rounds left, so one that ends early
 leaves its time to the next; inside a setup the phases that would start too late are skipped
-(listed under "skipped"): 1 stream runs only if 4 capacity trials still fit after it, the loaded
-level only if it fits too, so with a short budget the 1-stream first chunk and the capacity come
-first; a setup that fails is recorded and the others run.
+(listed under "skipped"): 1 stream runs only if 4 capacity trials (each as long as one at the
+start rate: 40 s for one GPU at 1 req/s) still fit after it, the loaded level only if it fits too,
+so with a short budget the 1-stream first chunk and the capacity come first; a trial starts only if
+twice its own length (arrivals, then a drain) is left; a setup that fails is recorded and the
+others run.
 
 Output (--out, default $OUT or runs/multi-gpu): setup-<name>.json per setup (everything measured,
 the server's log tail included, its round and the setups it ran with), then, from every
@@ -252,10 +257,12 @@ def setup_plan(args, plan: dict, gpus: int) -> dict:
 
 def phase_reserve(plan: dict) -> dict[str, float]:
     """Seconds that must be left after a phase starts: 1 stream runs if 4 capacity trials (arrivals
-    + drain) still fit after it, the loaded level only if it and its drain fit too; so the 1-stream
-    first chunk and the capacity come first when the budget is short."""
-    trials = 4 * (plan["duration_s"] + 5.0)
-    reserve = {"sweep": trials, "capacity": plan["duration_s"]}
+    at the start rate, each its --duration or its --min-requests' seconds, + drain) still fit after
+    it, the loaded level only if it and its drain fit too; so the 1-stream first chunk and the
+    capacity come first when the budget is short."""
+    trial_s = bench.arrival_window(plan["start_rate"], plan["duration_s"], plan["min_requests"])
+    trials = 4 * (trial_s + 5.0)
+    reserve = {"sweep": trials, "capacity": trial_s}
     for c in plan["levels"][1:]:
         reserve[f"sweep {c}"] = trials + plan["max_level_seconds"] + 15.0
     return reserve
@@ -412,6 +419,8 @@ def setup_summary(res: dict) -> dict:
             "capacity_streams_max": flight.get("max"), "first_failing_rate": cap.get("first_failing_rate"),
             "capacity_stopped_early": cap.get("stopped_early"), "capacity_converged": cap.get("converged"),
             "capacity_bracket": cap.get("bracket"), "capacity_trials": len(cap.get("trials", [])),
+            "capacity_requests": cap.get("requests_at_capacity"),
+            "first_failing_requests": cap.get("requests_at_first_failing"),
             "first_chunk_1_stream_p50_s": one_stream and one_stream["first_chunk_s"]["p50"],
             "skipped": res.get("skipped", []), "graph_settle": res.get("graph_settle", []),
             "failed": sorted(res.get("phase_errors") or {})}
@@ -467,6 +476,9 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             fail = r["first_failing_rate"]
             cap += (f" (fails {fail:.3g})" if fail is not None else " (none failed)") + \
                 (", not converged" if r["capacity_converged"] is False else "")
+        counts = [n for n in (r["capacity_requests"], r["first_failing_requests"]) if n is not None]
+        if counts:  # the deciding trials' requests: a p99 over few is their maximum
+            cap += f" [{' / '.join(map(str, counts))} requests]"
         first = _f(r["first_chunk_1_stream_p50_s"] and 1e3 * r["first_chunk_1_stream_p50_s"], "{:.0f} ms")
         if r["first_chunk_1_stream_vs_one"] is not None:
             first += f" ({r['first_chunk_1_stream_vs_one']:.2f}x)"
@@ -504,14 +516,16 @@ def notes(rows: list[dict], raw: dict[str, dict]) -> list[str]:
         out.append(f"workload: {plan['tokens']} forced tokens per request ({audio_s:g} s of audio), a registered "
                    f"speaker with a {plan['prompt_seconds']:g} s prompt, closed loop; capacity: "
                    "open loop, the largest arrival rate with p99 first chunk <= 300 ms and >= 99 % of requests "
-                   f"underrun-free ({plan['duration_s']:g} s of arrivals per trial); capacity streams = mean in flight "
-                   "there; 'vs one' = this setup / the one-GPU setup (capacity: arrival rates; throughput: audio s/s "
-                   "at the largest level both ran)")
-    workloads = {json.dumps({k: res["meta"]["plan"].get(k) for k in ("tokens", "prompt_seconds", "duration_s")})
+                   f"underrun-free ({_trial_length(plan)}; [n / m requests] = the requests of the "
+                   "passing / failing trial that decided it); capacity streams = mean in flight there; 'vs one' = "
+                   "this setup / the one-GPU setup (capacity: arrival rates; throughput: audio s/s at the largest "
+                   "level both ran)")
+    workloads = {json.dumps({k: res["meta"]["plan"].get(k) for k in ("tokens", "prompt_seconds", "duration_s",
+                                                                     "min_requests")})
                  for res in raw.values()}
     if len(workloads) > 1:
         out.append("setups ran with different workloads: " + "; ".join(
-            f"{n}: {res['meta']['plan']['tokens']} tokens, {res['meta']['plan']['duration_s']:g} s trials"
+            f"{n}: {res['meta']['plan']['tokens']} tokens, {_trial_length(res['meta']['plan'])}"
             for n, res in raw.items()))
     hosts = {(r["host"], r["gpu"]) for r in rows}
     if len(hosts) > 1:
@@ -536,6 +550,14 @@ def notes(rows: list[dict], raw: dict[str, dict]) -> list[str]:
             out.append(f"{r['setup']}: the capacity search did not converge in {r['capacity_trials']} trials "
                        f"(bracket {r['capacity_bracket']})")
     return out
+
+
+def _trial_length(plan: dict) -> str:
+    """Capacity trials as the plan asked them (results from before --min-requests: seconds only)."""
+    n = plan.get("min_requests")
+    if not n:
+        return f"{plan['duration_s']:g}-s trials"
+    return f"trials of max({plan['duration_s']:g} s, {n} requests / rate) of arrivals"
 
 
 def write_report(raw: dict[str, dict], out: Path) -> list[dict]:

@@ -2,9 +2,11 @@
 and (slow) a real in-process sweep + token2wav comparison on the tiny fixture, and the gRPC path."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -133,6 +135,97 @@ def test_run_level_stops_sending_after_max_seconds():
     assert 1 <= lv["requests"] < 1000 and lv["stopped_early"]["planned"] == 1000
 
 
+# -- open-loop trials: at least min_requests ------------------------------------------------------
+
+def test_a_low_rate_trial_gets_min_requests_arrivals():
+    # 1 req/s for 8 s would be ~8 requests; with 40 the window is max(8, 40 / 1) = 40 s
+    assert bench.arrival_window(1.0, 8.0, 40) == 40.0 and bench.arrival_window(8.0, 20.0, 40) == 20.0
+    enough = bench.plan_arrivals(1.0, 8.0, seed=2, min_requests=40)  # this seed has >= 40 in the 40 s
+    assert enough.duration_s == max(8.0, 40 / 1.0) and len(enough.times) >= 40
+    assert list(enough.times) == bench.poisson_arrivals(1.0, 40.0, seed=2)  # the plain Poisson draw, all < 40 s
+    short = bench.plan_arrivals(1.0, 8.0, seed=0, min_requests=40)  # fewer than 40 by 40 s: on to the 40th
+    in_window = bench.poisson_arrivals(1.0, 40.0, seed=0)
+    assert len(in_window) < 40 and len(short.times) == 40 and list(short.times[:len(in_window)]) == in_window
+    assert short.duration_s == short.times[-1] > 40.0
+    assert bench.plan_arrivals(1.0, 8.0, seed=0, min_requests=40) == short  # seeded: the same every run
+    # a rate whose duration already holds N: the duration decides, as before the floor
+    fast = bench.plan_arrivals(8.0, 20.0, seed=0, min_requests=40)
+    assert fast.duration_s == 20.0 and list(fast.times) == bench.poisson_arrivals(8.0, 20.0, seed=0)
+    assert len(fast.times) > 40
+    assert list(bench.plan_arrivals(1.0, 8.0, seed=0, min_requests=0).times) == bench.poisson_arrivals(1.0, 8.0, 0)
+    with pytest.raises(ValueError, match="min_requests >= 0"):
+        bench.plan_arrivals(1.0, 8.0, seed=0, min_requests=-1)
+    with pytest.raises(ValueError, match="must be > 0"):
+        bench.plan_arrivals(0.0, 8.0, seed=0, min_requests=40)
+
+
+def test_open_loop_level_records_its_real_duration_and_requests():
+    target = FakeTarget()
+    lv = asyncio.run(bench.run_open_loop(target, bench.Workload(seed=3), 100.0, 0.05, min_requests=20))
+    plan = bench.plan_arrivals(100.0, 0.05, seed=3, min_requests=20)
+    assert lv["duration_s"] == plan.duration_s >= max(0.05, 20 / 100.0)
+    assert lv["requests"] == len(plan.times) == len(target.seeds) >= 20 and lv["min_requests"] == 20
+    assert lv["achieved_rate"] == pytest.approx(lv["requests"] / plan.duration_s)
+    row = bench.format_open_loop([lv]).splitlines()[2].split()
+    assert row[:3] == [f"{100.0:.3g}", f"{plan.duration_s:.3g}", str(lv["requests"])]  # rate, secs, sent
+
+
+def test_capacity_search_trials_have_min_requests_and_say_so():
+    workload = bench.Workload(seed=1)
+    cap = asyncio.run(bench.capacity_search(FakeTarget(), workload, start_rate=100.0, duration_s=0.05,
+                                            min_requests=20, max_rate=200.0, stop_at=None))
+    assert [t["rate"] for t in cap["trials"]] == [100.0, 200.0] and cap["capacity_rate"] == 200.0
+    for t in cap["trials"]:
+        plan = bench.plan_arrivals(t["rate"], 0.05, seed=1, min_requests=20)
+        assert t["duration_s"] == plan.duration_s and t["requests"] == len(plan.times) >= 20
+    assert cap["min_requests"] == 20 and cap["requests_at_capacity"] == cap["trials"][1]["requests"]
+    assert cap["requests_at_first_failing"] is None
+    assert f"200 requests/s (a trial of {cap['trials'][1]['requests']} requests)" in bench.format_capacity(cap)
+    # every trial fails: the failing trial's requests are reported
+    never = bench.CapacityCriteria(p99_first_chunk_s=1e-6)
+    cap = asyncio.run(bench.capacity_search(FakeTarget(), workload, start_rate=200.0, duration_s=0.05,
+                                            min_requests=20, max_trials=2, criteria=never))
+    assert [t["rate"] for t in cap["trials"]] == [100.0, 200.0] and cap["first_failing_rate"] == 100.0
+    assert cap["requests_at_first_failing"] == cap["trials"][0]["requests"] >= 20
+    assert cap["capacity_rate"] is None and cap["requests_at_capacity"] is None
+    assert f"lowest failing 100/s (a trial of {cap['trials'][0]['requests']} requests)" in bench.format_capacity(cap)
+
+
+def test_capacity_budget_counts_the_trials_real_duration():
+    """1 req/s, 8 s, 40 requests, seed 0: the trial runs to its 40th arrival at 46.3 s. A budget of
+    86 s holds 2 x 8 s and 2 x the 40-s window but not 2 x 46.3 s: no trial may start."""
+    plan = bench.plan_arrivals(1.0, 8.0, seed=0, min_requests=40)
+    assert 2 * 40.0 < 86.0 < 2 * plan.duration_s
+    target = FakeTarget()
+    cap = asyncio.run(bench.capacity_search(target, bench.Workload(seed=0), start_rate=1.0, duration_s=8.0,
+                                            min_requests=40, stop_at=time.monotonic() + 86.0))
+    assert cap["stopped_early"] and cap["trials"] == [] and target.seeds == []
+    assert bench.format_capacity(cap).endswith("not measured (no trial ran)")
+
+
+def test_min_requests_on_the_command_lines():
+    assert bench.non_negative_int("0") == 0 and bench.non_negative_int("40") == 40
+    for bad in ("-1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.non_negative_int(bad)
+    from cosyvoice_cli.bench.cli import open_loop_plan
+    from cosyvoice_cli.cli import build_parser
+
+    def plan(*extra):
+        return open_loop_plan(build_parser().parse_args(["bench", "--target", "h:1", "--capacity", *extra]))
+
+    assert plan().min_requests == bench.MIN_REQUESTS == 40 and plan("--min-requests", "7").min_requests == 7
+    assert plan().to_json()["min_requests"] == 40
+    with pytest.raises(SystemExit):
+        plan("--min-requests", "-3")
+    server_bench = _load_script("h200_server_bench")
+    assert server_bench.parse_args([])[1]["min_requests"] == 40
+    assert server_bench.parse_args(["--quick"])[1]["min_requests"] == server_bench.QUICK["min_requests"] < 40
+    assert server_bench.parse_args(["--quick", "--min-requests", "9"])[1]["min_requests"] == 9
+    with pytest.raises(SystemExit):
+        server_bench.parse_args(["--min-requests", "-1"])
+
+
 def test_stage_counters_from_prometheus_text():
     from grpc_async.metrics import Metrics
     from prometheus_client import generate_latest
@@ -249,11 +342,14 @@ def test_bench_over_grpc(server):
     assert lv["detail"][0]["audio_s"] > 0 and lv["detail"][0]["seed"] == 0
 
 
-def _check_open_level(lv, rate, duration, seed):
-    arrivals = bench.poisson_arrivals(rate, duration, seed)
-    assert lv["mode"] == "open_loop" and lv["rate"] == rate and lv["duration_s"] == duration
-    assert lv["requests"] == len(arrivals) == len(lv["detail"]) and lv["ok"] + lv["errors"] == lv["requests"]
-    assert lv["achieved_rate"] == pytest.approx(len(arrivals) / duration)
+def _check_open_level(lv, rate, duration, seed, min_requests):
+    plan = bench.plan_arrivals(rate, duration, seed, min_requests)
+    arrivals = list(plan.times)
+    assert lv["mode"] == "open_loop" and lv["rate"] == rate and lv["duration_s"] == plan.duration_s
+    assert plan.duration_s >= max(duration, min_requests / rate) and lv["min_requests"] == min_requests
+    assert lv["requests"] == len(arrivals) == len(lv["detail"]) >= min_requests
+    assert lv["ok"] + lv["errors"] == lv["requests"]
+    assert lv["achieved_rate"] == pytest.approx(len(arrivals) / plan.duration_s)
     # sent at their arrival times (never early), in order
     starts = [d["start_s"] for d in lv["detail"]]
     assert all(s >= a - 1e-3 for s, a in zip(starts, arrivals)) and starts == sorted(starts)
@@ -277,15 +373,17 @@ def test_open_loop_and_capacity_over_grpc(server, tmp_path, capsys):
 
     out = tmp_path / "open.json"
     rc = main(["bench", "--target", server.target, "--metrics", f"127.0.0.1:{server.server.metrics_port}",
-               "--open-loop", "--rate", "2", "--duration", "3", "--tokens", "20", "--text", "Hello there.",
+               "--open-loop", "--rate", "2", "--duration", "3", "--min-requests", "8", "--tokens", "20",
+               "--text", "Hello there.",
                "--prompt-seconds", "1", "--seed", "3", "--no-warmup", "--out", str(out), "--quiet", "--no-plots"])
     assert rc == 0
     assert "open loop (Poisson arrivals)" in capsys.readouterr().out
     r = json.loads(out.read_text())
     assert r["levels"] == [] and r["meta"]["open_loop"]["rates"] == [2.0]
+    assert r["meta"]["open_loop"]["min_requests"] == 8
     (lv,) = r["open_loop"]
     assert lv["errors"] == 0
-    _check_open_level(lv, 2.0, 3.0, seed=3)
+    _check_open_level(lv, 2.0, 3.0, seed=3, min_requests=8)  # 8 requests at 2/s: >= 4 s of arrivals
 
     # a capacity search with criteria every level meets: doubles from 1/s up to the 2/s ceiling
     from grpc_async.client import CosyVoiceClient
@@ -294,16 +392,17 @@ def test_open_loop_and_capacity_over_grpc(server, tmp_path, capsys):
         async with CosyVoiceClient(server.target) as client:
             return await bench.capacity_search(
                 bench.GrpcTarget(client), bench.Workload(text="Hello there.", tokens=20, seed=5),
-                start_rate=1.0, duration_s=2.0, max_rate=2.0, detail=True,
+                start_rate=1.0, duration_s=2.0, min_requests=3, max_rate=2.0, detail=True,
                 criteria=bench.CapacityCriteria(p99_first_chunk_s=60.0, min_underrun_free=0.0),
                 stages=bench.PrometheusStages(f"127.0.0.1:{server.server.metrics_port}"))
     cap = asyncio.run(search())
     assert [t["rate"] for t in cap["trials"]] == [1.0, 2.0] and cap["capacity_rate"] == 2.0
     assert cap["first_failing_rate"] is None and cap["streams_in_flight"] == cap["trials"][1]["in_flight"]
     assert cap["bracket"] == [2.0, None] and cap["converged"] is False  # capacity >= the ceiling: no bracket
-    for t in cap["trials"]:
+    assert cap["requests_at_capacity"] == cap["trials"][1]["requests"] and cap["requests_at_first_failing"] is None
+    for t in cap["trials"]:  # 1/s: 3 requests need >= 3 s; 2/s: 2 s
         assert t["capacity_check"] == {"passed": True, "reasons": []}
-        _check_open_level(t, t["rate"], 2.0, seed=5)
+        _check_open_level(t, t["rate"], 2.0, seed=5, min_requests=3)
     assert "capacity (" in bench.format_capacity(cap)
 
 
@@ -534,8 +633,11 @@ def test_multi_gpu_setups_parse():
     with pytest.raises(ValueError, match="named twice"):
         script.parse_rounds("one,one", 4)
     assert len(set(script.distinct_ports(8))) == 8
-    assert script.phase_reserve({"duration_s": 10.0, "levels": [1, 128], "max_level_seconds": 12.0}) == {
+    plan = {"duration_s": 10.0, "levels": [1, 128], "max_level_seconds": 12.0, "start_rate": 4.0, "min_requests": 40}
+    assert script.phase_reserve(plan) == {
         "sweep": 60.0, "capacity": 10.0, "sweep 128": 87.0}  # 1 stream before 4 capacity trials, 128 after
+    # at 1 req/s a trial of 40 requests lasts 40 s, not 10: the reserve counts the trial's own length
+    assert script.phase_reserve({**plan, "start_rate": 1.0}) == {"sweep": 180.0, "capacity": 40.0, "sweep 128": 207.0}
     with pytest.raises(ValueError, match="unknown placement"):
         script.parse_setup("sharded:2", 2)
     with pytest.raises(ValueError, match="at least 2 devices"):
@@ -543,24 +645,31 @@ def test_multi_gpu_setups_parse():
     assert script.setup_sections("disaggregated", ["cuda:0", "cuda:1"])["token2wav"] == {"process": True}
 
 
-def _setup_results(name: str, gpus: int, capacity: float | None, throughput: dict, start_s: float = 100.0) -> dict:
-    """A hand-made setup-<name>.json: capacity in requests/s, throughput {streams: audio s/s}."""
+def _setup_results(name: str, gpus: int, capacity: float | None, throughput: dict, start_s: float = 100.0,
+                   requests: tuple[int, int] | None = None) -> dict:
+    """A hand-made setup-<name>.json: capacity in requests/s, throughput {streams: audio s/s}; with
+    `requests` (the deciding trials' requests) as a run with --min-requests 40 writes it, else as
+    one from before that option."""
     levels = [{"concurrency": c, "requests": 2 * c, "errors": 0, "audio_s_per_s": aps,
                "first_chunk_s": {"p50": 0.1 * c, "p99": 0.2 * c},
                "underruns": {"late_chunks": c, "requests_with_underruns": c // 2}} for c, aps in throughput.items()]
     cap = {"capacity_rate": capacity, "first_failing_rate": 2 * (capacity or 0.125), "stopped_early": False,
            "streams_in_flight": capacity and {"mean": 10 * capacity, "max": 25}}
+    plan = {"tokens": 250, "prompt_seconds": 6.0, "duration_s": 20.0}
+    if requests:
+        cap.update(requests_at_capacity=requests[0], requests_at_first_failing=requests[1], min_requests=40)
+        plan["min_requests"] = 40
     return {"setup": name, "levels": levels, "capacity": cap, "skipped": [], "phase_errors": {},
             "meta": {"gpus": gpus, "devices": [f"cuda:{i}" for i in range(gpus)], "compile_cache_warm": False,
-                     "phases": {"server_start_s": start_s},
-                     "plan": {"tokens": 250, "prompt_seconds": 6.0, "duration_s": 20.0},
+                     "phases": {"server_start_s": start_s}, "plan": plan,
                      "environment": {"gpu": "NVIDIA H100 80GB HBM3", "host": "h", "time": "t"}}}
 
 
 def test_multi_gpu_merge_scaling_against_one_gpu(multi_gpu, tmp_path):
     a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
     a.mkdir(), b.mkdir()
-    bench.write_json(_setup_results("one", 1, 0.5, {1: 8.0, 32: 40.0, 64: 41.0}), a / "setup-one.json")
+    bench.write_json(_setup_results("one", 1, 0.5, {1: 8.0, 32: 40.0, 64: 41.0}, requests=(41, 44)),
+                     a / "setup-one.json")
     bench.write_json(_setup_results("replicas", 4, 2.0, {1: 8.0, 32: 100.0, 64: 150.0, 128: 160.0}),
                      b / "setup-replicas.json")
     bench.write_json(_setup_results("disaggregated", 4, None, {1: 7.0, 32: 60.0}), b / "setup-disaggregated.json")
@@ -579,6 +688,14 @@ def test_multi_gpu_merge_scaling_against_one_gpu(multi_gpu, tmp_path):
     assert "| replicas | - | 4 | 100 s (cold) | 100 ms (1.00x) | 2 (fails 4) | 20.0 | 5.00 | 4.00x | 150.0 (64) | 3.66x |" in md
     assert "| disaggregated | - | 4 | 100 s (cold) | 100 ms (1.00x) | < 0.25 | - | - | - | 60.0 (32) | 1.50x |" in md
     assert "| one | 64 | 6400 ms | 12800 ms | 64 (32 of 128) | 41.0 | 0 |" in md
+    # the deciding trials' requests (a run with --min-requests); results from before it show none
+    assert "| one | - | 1 | 100 s (cold) | 100 ms (1.00x) | 0.5 (fails 1) [41 / 44 requests] | 5.0 |" in md
+    assert (one["capacity_requests"], one["first_failing_requests"]) == (41, 44)
+    assert rep["capacity_requests"] is None and rep["first_failing_requests"] is None
+    notes = json.loads((out / "multi_gpu_results.json").read_text())["notes"]
+    assert "(trials of max(20 s, 40 requests / rate) of arrivals; [n / m requests]" in notes[0]
+    assert notes[1].startswith("setups ran with different workloads: one: 250 tokens, trials of max(20 s, 40 "
+                               "requests / rate) of arrivals; ") and "replicas: 250 tokens, 20-s trials" in notes[1]
     assert {p.name for p in out.iterdir()} == {"multi_gpu_results.json", "multi_gpu_table.txt", "multi_gpu_table.md",
                                              "multi_gpu_scaling.png"}
     # without one GPU in the folders there is nothing to scale against

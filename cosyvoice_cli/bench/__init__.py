@@ -17,12 +17,15 @@ the next, until the level's requests (at least C) are done; `--max-level-seconds
 new ones after that long.
 
 Open loop (`--open-loop --rate R[,R2...] --duration D`): requests arrive as a Poisson process at R
-per second for D seconds, however many are in flight (what users do); the level reports what the
-closed loop reports plus requests in flight (mean, max) and the fraction of requests that played
-without an underrun. `--capacity` searches for the largest rate (starting at the first `--rate`,
-doubling, then bisecting) at which p99 first chunk <= `--p99-ms` (300) and >= `--clean-pct` (99) %
-of the requests play without an underrun, and reports it with the streams in flight there. The
-closed-loop sweep runs too when `--concurrency` is given (always without --open-loop/--capacity).
+per second, however many are in flight (what users do), for max(D, N / R) seconds with N =
+`--min-requests` (40), on to the N-th arrival if fewer came: a p99 over fewer requests is their
+maximum. The level reports what the closed loop reports plus its seconds of arrivals, requests in
+flight (mean, max) and the fraction of requests that played without an underrun. `--capacity`
+searches for the largest rate (starting at the first `--rate`, doubling, then bisecting; every
+trial such a level) at which p99 first chunk <= `--p99-ms` (300) and >= `--clean-pct` (99) % of the
+requests play without an underrun, and reports it with the streams in flight there and the
+requests of the deciding trials. The closed-loop sweep runs too when `--concurrency` is given
+(always without --open-loop/--capacity).
 
 Per request (times from sending the request):
 - first chunk: until the first chunk with audio arrives;
@@ -52,15 +55,15 @@ Over gRPC, `--tokens` travels as `SynthesisOptions.max_tokens` (the server caps 
 `limits.max_forced_tokens`).
 """
 
-from .cli import add_arguments, main, parse_int_list
+from .cli import add_arguments, main, non_negative_int, parse_int_list
 from .metrics import PERCENTILES, RequestResult, summarize, summarize_level, underruns
 from .plots import write_plots
 from .progress import Progress
 from async_cosyvoice.files import write_json
 
 from .report import environment, format_stages, format_t2w, format_table
-from .open_loop import CapacityCriteria, capacity_search, format_capacity, format_open_loop, poisson_arrivals
-from .open_loop import run_open_loop
+from .open_loop import MIN_REQUESTS, Arrivals, CapacityCriteria, arrival_window, capacity_search, format_capacity
+from .open_loop import format_open_loop, plan_arrivals, poisson_arrivals, run_arrivals, run_open_loop
 from .graphs import GraphCounts, format_settle, parse_graph_counts, settle_graphs
 from .runner import run_level, run_request, run_sweep, warm_up
 from .session import OpenLoopPlan, bench_grpc, bench_in_process
@@ -73,7 +76,8 @@ from .workload import requests_per_level, synthetic_prompt
 __all__ = [
     "CapacityCriteria", "OpenLoopPlan", "capacity_search", "format_capacity", "format_open_loop",
     "GraphCounts", "format_settle", "parse_graph_counts", "settle_graphs",
-    "poisson_arrivals", "run_open_loop",
+    "MIN_REQUESTS", "Arrivals", "arrival_window", "plan_arrivals", "poisson_arrivals", "run_arrivals",
+    "run_open_loop", "non_negative_int",
     "DEFAULT_PROMPT_TEXT", "DEFAULT_SPEAKER", "DEFAULT_TEXT", "PERCENTILES", "SECONDS_PER_TOKEN",
     "GrpcTarget", "InProcessTarget", "Progress", "PrometheusStages", "RequestResult", "SpeakerSpec", "StageCounters",
     "SynthesizerStages", "Target", "Workload",

@@ -2,6 +2,7 @@
 the JSON and the plots)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .plots import write_plots
 from .progress import Progress
-from .open_loop import CapacityCriteria, format_capacity, format_open_loop
+from .open_loop import MIN_REQUESTS, CapacityCriteria, format_capacity, format_open_loop
 from async_cosyvoice.files import write_json
 
 from ..options import DEFAULT_WAIT_SECONDS
@@ -31,6 +32,17 @@ def parse_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise ValueError(f"expected positive integers, got {text!r}")
     return values
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
 
 
 def add_arguments(p) -> None:
@@ -75,7 +87,12 @@ def add_arguments(p) -> None:
                    help="search the largest arrival rate meeting --p99-ms and --clean-pct (starts at --rate)")
     p.add_argument("--rate", default="0.5", help="arrivals per second: a comma list for --open-loop, the start "
                                                   "of --capacity (default 0.5)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per open-loop level (default 30)")
+    p.add_argument("--duration", type=float, default=30.0,
+                   help="seconds of arrivals per open-loop level or capacity trial, at least (default 30)")
+    p.add_argument("--min-requests", type=non_negative_int, default=MIN_REQUESTS, metavar="N",
+                   help="requests per open-loop level or capacity trial, at least: a level lasts max(--duration, "
+                        f"N / rate) s of arrivals, on to the N-th arrival if fewer came (default {MIN_REQUESTS}; "
+                        "a p99 over fewer is the maximum of a handful)")
     p.add_argument("--max-rate", type=float, help="--capacity: never try above this rate")
     p.add_argument("--p99-ms", type=float, default=300.0, help="--capacity: p99 first chunk limit (default 300)")
     p.add_argument("--clean-pct", type=float, default=99.0,
@@ -169,6 +186,6 @@ def open_loop_plan(args) -> OpenLoopPlan | None:
     if not 0 < args.clean_pct <= 100 or not args.p99_ms > 0:
         raise ValueError("--clean-pct must be in (0, 100] and --p99-ms > 0")
     return OpenLoopPlan(rates=tuple(rates) if args.open_loop else (), duration_s=args.duration,
-                        capacity=args.capacity, start_rate=rates[0],
+                        min_requests=args.min_requests, capacity=args.capacity, start_rate=rates[0],
                         max_rate=args.max_rate if args.max_rate else float("inf"),
                         criteria=CapacityCriteria(args.p99_ms / 1e3, args.clean_pct / 100))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..options import DEFAULT_WAIT_SECONDS
-from .open_loop import CapacityCriteria, capacity_search, run_open_loop
+from .open_loop import MIN_REQUESTS, CapacityCriteria, capacity_search, run_open_loop
 from .progress import Progress
 from .report import environment
 from .runner import run_sweep, warm_up
@@ -26,10 +26,11 @@ DEFAULT_WARMUP_CONCURRENCY = 4  # when no closed-loop level says how many stream
 
 @dataclass(frozen=True)
 class OpenLoopPlan:
-    """Open-loop levels at `rates` (requests/s) for `duration_s` each, and/or a capacity search
-    starting at `start_rate` (see open_loop.py)."""
+    """Open-loop levels at `rates` (requests/s) for `duration_s` each and at least `min_requests`
+    requests, and/or a capacity search of such trials starting at `start_rate` (see open_loop.py)."""
     rates: tuple[float, ...] = ()
     duration_s: float = 30.0
+    min_requests: int = MIN_REQUESTS
     capacity: bool = False
     start_rate: float = 0.5
     max_rate: float = float("inf")
@@ -42,6 +43,8 @@ class OpenLoopPlan:
             raise ValueError(f"open-loop rates must be > 0, got {list(self.rates) or self.start_rate}")
         if not self.duration_s > 0:
             raise ValueError(f"open-loop duration must be > 0, got {self.duration_s}")
+        if self.min_requests < 0:
+            raise ValueError(f"open-loop min_requests must be >= 0, got {self.min_requests}")
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -119,7 +122,8 @@ async def _run_levels(results: dict, target: Target, workload: Workload, levels:
                                         max_level_seconds=max_level_seconds, stages=stages, detail=detail)
     if open_loop is None:
         return
-    common = dict(progress=progress, stages=stages, drain_timeout_s=open_loop.drain_timeout_s)
+    common = dict(min_requests=open_loop.min_requests, progress=progress, stages=stages,
+                  drain_timeout_s=open_loop.drain_timeout_s)
     results["open_loop"] = [await run_open_loop(target, workload, rate, open_loop.duration_s, detail=detail, **common)
                             for rate in open_loop.rates]
     if open_loop.capacity:
