@@ -239,7 +239,11 @@ def test_huge_seeds_on_every_door(server):
     with httpx.Client(base_url=server.base, timeout=120) as http:
         body = {"model": "tts-1", "input": "Hi.", "voice": "tiny_sft_spk", "response_format": "pcm"}
         same = [http.post("/v1/audio/speech", json={**body, "seed": seed}) for _ in range(2)]
-        assert [r.status_code for r in same] == [200, 200] and same[0].content == same[1].content
+        assert [r.status_code for r in same] == [200, 200]
+        # the seed holds: the same tokens, so the same audio, up to a few LSB where the adaptive hop
+        # (it follows the listener's buffer, so the machine's load) cut the chunks elsewhere
+        a, b = (np.frombuffer(r.content, np.int16).astype(np.int32) for r in same)
+        assert a.size == b.size > 0 and np.abs(a - b).max() <= 16
         r = http.post("/v1/audio/speech", json={**body, "seed": 2**64})
         assert r.status_code == 400 and "seed must be an integer in 0..18446744073709551615" in r.text
         r = http.post("/v1/audio/speech", json={**body, "seed": -1})

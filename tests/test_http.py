@@ -334,10 +334,13 @@ def test_log_line_says_where_the_first_chunk_went(http, caplog):
         r = http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": TEXT,
                                                 "response_format": "pcm", "seed": 7})
         assert r.status_code == 200
+        # this request's line (an earlier test's request may log after its response has gone out)
+        ours = f"id={r.headers['x-request-id']} "
         deadline = time.monotonic() + 10  # the line is written once the response has gone out
-        while time.monotonic() < deadline and not [m for m in caplog.messages if "POST /v1/audio/speech" in m]:
+        while time.monotonic() < deadline and not [m for m in caplog.messages if ours in m]:
             time.sleep(0.05)
-    (line,) = [m for m in caplog.messages if "POST /v1/audio/speech" in m]
+    (line,) = [m for m in caplog.messages if ours in m]
+    assert "POST /v1/audio/speech" in line
     parts = re.search(r"first_chunk_parts=tokens:([0-9.]+),wait:([0-9.]+),t2w:([0-9.]+) ", line)
     assert parts, line
     first_ms = float(re.search(r"first_chunk_ms=([0-9.]+)", line).group(1))
