@@ -233,7 +233,7 @@ def main(argv=None) -> None:
             res["pool_slots"] = runner.state_pool.n_stream_slots
             res["pool_stats"] = vars(runner.state_pool.stats)
             res["slot_graphs"] = {"captured": len(calls.graphs), "replays": calls.replays, "fallbacks": calls.fallbacks,
-                                  "compiled": calls.estimator_step.compiled,
+                                  "compiled": calls.compiled,
                                   "calls_by_key_tokens": dict(sorted(calls.key_buckets.items())),
                                   "buckets": sorted(calls.graphs)}
         results["setups"][setup] = res

@@ -2,17 +2,17 @@
 models/flow/prefix.py SlotCursor): every streamed chunk equals the full recompute, alone and batched
 across streams at different positions, padded to the graph buckets (off CUDA the same padded
 function runs without a graph); a full pool or an outgrown slot recomputes exactly; a dropped
-stream gives its slot back. On CUDA the captured graphs are checked against the eager call."""
+stream gives its slot back. On CUDA the captured graphs are checked against the eager call. The
+compiled step (by regions) against the eager one: tests/test_slot_regions.py."""
 import gc
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from test_flow_cache import ATOL, drive, flow, new_stream, prompts, target_tokens  # noqa: F401  (fixtures)
 
 from async_cosyvoice.token2wav import ChunkSchedule, Token2WavRunner, Token2WavStream
 from async_cosyvoice.token2wav.slot_calls import SlotCalls
 from async_cosyvoice.token2wav.state_pool import StatePool
-from test_flow_cache import ATOL, drive, flow, new_stream, prompts, target_tokens  # noqa: F401  (fixtures)
 
 
 def pooled(flow, hift, slots=3, slot_tokens=300, speaker_slots=1, **kw) -> Token2WavRunner:  # noqa: F811
@@ -108,21 +108,16 @@ ROUNDS = [{"start": [100, 75, 0], "end": [128, 100, 90], "keep": [125, 100, 75]}
           {"start": [125, 100, 75], "end": [150, 160, 130], "keep": [150, 150, 125]}]
 
 
-def run_rounds(flow, prompts, compile_shapes=(), **calls_kw):  # noqa: F811
-    """The rounds through a pool of 3 slots. compile_shapes: first run the compiled step at these
-    new-token lengths (GraphBuckets.compile_shapes, as the warm-up does before serving, when
-    nothing may compile any more); then the rounds must need no new program."""
+def run_rounds(flow, prompts, **calls_kw):  # noqa: F811
+    """The rounds through a pool of 3 slots."""
     pool = StatePool(flow, slots=3, slot_tokens=300)
     calls = SlotCalls(flow, pool, cuda_graphs=False, **({"key_token_step": 32} | calls_kw))
-    made = calls.compile_shapes(compile_shapes) and counters["stats"]["unique_graphs"]
     seqs = [sequence(prompts, "p24", 11), sequence(prompts, "p16", 12), sequence(prompts, "p24", 13)]
     slots = [1, 2, 3]
     for slot, (_, feat, emb) in zip(slots, seqs):
         pool.load_prompt(slot, feat, emb)
     slot_call(calls, seqs[:2], slots[:2], [0, 0], [100, 75], [100, 75])  # the prefixes round 1 starts from
     mels = [slot_call(calls, seqs, slots, **r) for r in ROUNDS]
-    if made:
-        assert counters["stats"]["unique_graphs"] == made, "a call after compile_shapes compiled a new program"
     return calls, seqs, mels
 
 
@@ -147,27 +142,6 @@ def test_capacity_wide_keys_give_the_same_mels(flow, prompts):  # noqa: F811
             assert (x - y).abs().max().item() <= ATOL
 
 
-@pytest.mark.slow
-def test_the_compiled_step_equals_eager_and_writes_the_pool_in_place(flow, prompts):  # noqa: F811
-    """torch.compile of the cached step (inductor's C++ backend here): the same mels, the state
-    lands in the pool's own storage (a functional copy would leave it unwritten), and after
-    compile_shapes no call compiles anything new."""
-    eager, _, eager_mels = run_rounds(flow, prompts)
-    # every stream bucket x 32 and 64 new tokens x the shortest and longest key bucket first, as the
-    # warm-up before serving (GraphBuckets.compile_shapes): then the rounds compile nothing new
-    torch._dynamo.reset()  # programs are cached per code object: start from none
-    compiled, _, compiled_mels = run_rounds(flow, prompts, compile_shapes=[32, 64], compile=True,
-                                            stream_buckets=(1, 2, 4))
-    assert compiled.estimator_step.compiled  # no fallback to eager
-    for a, b in zip(eager_mels, compiled_mels):
-        for x, y in zip(a, b):
-            assert (x - y).abs().max().item() <= ATOL
-    written, expected = compiled.pool.buffer, eager.pool.buffer
-    assert torch.equal(written != 0, expected != 0)  # the same positions written, in the pool's own storage
-    # the state itself (keys, values, conv contexts) to float summation order, relative to its largest value
-    assert (written - expected).abs().max().item() <= ATOL * expected.abs().max().item()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("compile", [False, True])
 def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts, compile):  # noqa: F811
@@ -188,7 +162,7 @@ def test_graphed_pool_matches_the_recompute_on_cuda(model_dir, prompts, compile)
         while cached.capture_wanted():
             pass
         assert calls.graphs and not calls.wanted
-    assert calls.estimator_step.compiled == compile and all(k < pool.positions for k in calls.key_buckets)
+    assert calls.compiled == compile and all(k < pool.positions for k in calls.key_buckets)
 
 
 def test_slot_bytes_count_what_a_pool_allocates(flow):  # noqa: F811

@@ -26,7 +26,6 @@ whole call.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Sequence
 
@@ -35,6 +34,7 @@ from torch import Tensor, nn
 
 from ..graph_buckets import Bucket, GraphBuckets
 from .base import streaming_rows
+from .regions import regional, repeated_blocks
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def compile_estimator(module: nn.Module, *, regions: bool = False, options: dict
     Whole (default): one program over the module; Dynamo traces every block instance, so the
     trace grows with the block count (the full CosyVoice2 estimator: 56 transformer blocks and
     14 resnets). `regions`: each instance of the module's `repeated_blocks` classes compiled on
-    its own, the glue between them eager (PyTorch's regional compilation recipe): the block's
+    its own, the glue between them eager (PyTorch's regional compilation recipe, regions.py): the block's
     weights are inputs of its program, so Dynamo traces a block class once and every instance of
     it reuses that program (a class seen with differently shaped weights or inputs, like the
     resnets' input channels, gets one program per shape). The module is left as it is: the
@@ -71,21 +71,12 @@ def compile_estimator(module: nn.Module, *, regions: bool = False, options: dict
     options = options or {}
     if not regions:
         return torch.compile(module, dynamic=True, **options)
-    blocks = getattr(module, "repeated_blocks", ())
-    if not blocks:
-        raise ValueError(f"{type(module).__name__} names no repeated_blocks to compile regionally")
-
-    def regional(m: nn.Module) -> nn.Module:
-        if isinstance(m, blocks):
-            return torch.compile(m, dynamic=True, **options)
-        clone = copy.copy(m)  # the same parameters and buffers; only the child modules are replaced
-        clone._modules = {name: None if child is None else regional(child) for name, child in m._modules.items()}
-        return clone
-
+    compiled = regional(module, lambda block: torch.compile(block, dynamic=True, **options))
+    blocks = repeated_blocks(module)
     count = sum(isinstance(m, blocks) for m in module.modules())
     log.info("flow estimator: torch.compile of its %d repeated blocks (%s), the rest eager", count,
              ", ".join(b.__name__ for b in blocks))
-    return regional(module)
+    return compiled
 
 
 class CompiledEstimator(GraphBuckets):

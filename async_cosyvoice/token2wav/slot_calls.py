@@ -15,20 +15,19 @@ the slots' size. For 400-token slots and the default step of 64 that is 7 key bu
 (64, 128, …, 384, 401); with the warm-up's 4 new-token buckets and 7 stream buckets at most
 7 × 26 = 182 graphs (max_graphs bounds them; past it calls run uncaptured).
 
-`compile=True` (token2wav.estimator: compiled) runs the encoder and each CFM step's estimator
-through torch.compile (one dynamic-shape program each for every bucket and step), so their
-elementwise chains fuse; the graph captures the compiled code. Its writes into the pool stay in place (inductor
-keeps index_put_ / index_copy_ on the slot entries it is given; tests/test_state_pool.py checks
-the pool's storage after a compiled call).
+`compile=True` (token2wav.estimator: compiled) runs the flow's repeated blocks through
+torch.compile, one dynamic-shape program per block class shared by every instance, CFM step and
+bucket, the glue eager (slot_regions.py); the graph captures the compiled code. Its writes into
+the pool stay in place (inductor keeps index_put_ / index_copy_ on the slot entries it is given;
+tests/test_slot_regions.py checks the pool's storage after a compiled call).
 
 Off CUDA (`cuda_graphs=False`) the call runs padded to its bucket without a graph: the tests use it
 to check that padding changes nothing.
 """
 from __future__ import annotations
 
-import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -40,12 +39,11 @@ from ..graph_buckets import (
     length_bucket,
 )
 from ..models.flow.base import MaskedDiffFlow
-from ..models.flow.prefix import SlotCursor, SlotGeometry
+from ..models.flow.prefix import SlotGeometry
+from .slot_regions import SlotRegions
 from .state_pool import StatePool
 
-log = logging.getLogger(__name__)
-
-__all__ = ["DEFAULT_KEY_TOKEN_STEP", "CompiledSlotCall", "SlotCalls"]
+__all__ = ["DEFAULT_KEY_TOKEN_STEP", "SlotCalls"]
 
 DEFAULT_KEY_TOKEN_STEP = 64
 SlotBucket = tuple[int, int, int]  # (streams, new tokens, key tokens)
@@ -57,7 +55,7 @@ class SlotCalls(GraphBuckets):
     def __init__(self, flow: MaskedDiffFlow, pool: StatePool, *, cuda_graphs: bool | None = None,
                  stream_buckets: Sequence[int] = DEFAULT_STREAM_BUCKETS, min_token_step: int = 32,
                  key_token_step: int | None = DEFAULT_KEY_TOKEN_STEP, compile: bool = False,
-                 max_bucket_tokens: int = 16384, max_graphs: int = 192):
+                 compile_options: dict | None = None, max_bucket_tokens: int = 16384, max_graphs: int = 192):
         if key_token_step is not None and key_token_step < 1:
             raise ValueError(f"key_token_step must be >= 1 or None (the slot's capacity), got {key_token_step}")
         super().__init__(pool.device, cuda_graphs=cuda_graphs, batch_buckets=stream_buckets, min_step=min_token_step,
@@ -65,11 +63,13 @@ class SlotCalls(GraphBuckets):
         self.flow, self.pool = flow, pool
         self.key_token_step = key_token_step
         self.key_buckets: Counter[int] = Counter()  # calls per key bucket (tokens)
-        estimator = flow.decoder.estimator
-        # the CFM steps' estimator and the encoder, each compiled as one function of the call's tensors
-        self.estimator_step = CompiledSlotCall(lambda *t, cursor, g: estimator(*t, cache=(cursor, g)), compile)
-        self.encoder = CompiledSlotCall(lambda x, cursor, g: flow.encode_cached(x, g, cursor, None), compile)
-        self.compiled = compile
+        self.regions = SlotRegions(flow, options=compile_options) if compile else None
+        self.step_flow = flow if self.regions is None else self.regions.flow  # what runs a call
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the calls run compiled (False: asked not to, or the compile failed: eager)."""
+        return self.regions is not None and self.regions.compiled
 
     def key_bucket(self, end: int) -> int:
         """The key tokens a call whose items end by `end` attends over."""
@@ -153,14 +153,14 @@ class SlotCalls(GraphBuckets):
 
     def _fn(self, bucket: SlotBucket):
         _, N, K = bucket
-        pool, flow = self.pool, self.flow
+        pool, flow = self.pool, self.step_flow
         ratio = flow.dims.token_mel_ratio
 
         def call(tokens, slots, start, end, keep):
             g = SlotGeometry(slots, start, end, keep, N, K)
             mel = flow.forward_slots(tokens[:, :N + flow.dims.pre_lookahead_len], g, pool.prompt_feat[slots],
                                      pool.prompt_len[slots], pool.embedding[slots], pool.entries,
-                                     pool.n_encoder_entries, self.estimator_step, self.encoder)
+                                     pool.n_encoder_entries)
             at = (ratio * g.positions().repeat_interleave(ratio, dim=1)
                   + torch.arange(ratio, device=mel.device).repeat(N)).clamp(max=pool.mel.shape[1] - 1)
             pool.mel.index_put_((slots.view(-1, 1).expand_as(at), at), mel.transpose(1, 2))
@@ -174,38 +174,9 @@ class SlotCalls(GraphBuckets):
         return (Bb,)
 
     def _example(self, bucket: SlotBucket) -> dict[str, Tensor]:
+        """A call of the bucket on the scratch slot. Each input its own tensor, as in a real call: torch.compile
+        guards on inputs being the same object, so programs made from one shared zeros tensor fit no real call."""
         Bb, Nb, _ = bucket
-        zeros = torch.zeros(Bb, dtype=torch.long, device=self.device)
-        return dict(tokens=torch.zeros(Bb, Nb + self.flow.dims.pre_lookahead_len, dtype=torch.int32, device=self.device),
-                    slots=zeros, start=zeros, end=zeros, keep=zeros)
-
-
-class CompiledSlotCall:
-    """fn(*tensors, cursor=SlotCursor, g=SlotGeometry), called as `(*tensors, cursor, g)` (the way
-    CausalConditionalCFM.forward_cached calls its estimator and Flow.forward_slots its encoder).
-    With `compile`, through torch.compile of a function of tensors and ints only: the geometry is
-    rebuilt inside from its tensors and the cursor from the entries it is given, so one
-    dynamic-shape program serves every call, step and bucket. A compiler failure falls back to
-    eager with a warning."""
-
-    def __init__(self, fn: Callable[..., Tensor], compile: bool):
-        self.fn = fn
-        self._call: Callable[..., Tensor] = torch.compile(self._rebuilt, dynamic=True) if compile else self._rebuilt
-        self.compiled = compile
-
-    def _rebuilt(self, tensors: tuple[Tensor, ...], slots: Tensor, start: Tensor, end: Tensor, keep: Tensor,
-                 entries: list[Tensor], N: int, K: int) -> Tensor:
-        return self.fn(*tensors, cursor=SlotCursor(entries), g=SlotGeometry(slots, start, end, keep, N, K))
-
-    def __call__(self, *args) -> Tensor:
-        *tensors, cursor, g = args
-        call = (tuple(tensors), g.slots, g.start, g.end, g.keep, list(cursor.entries), g.N, g.K)
-        try:
-            return self._call(*call)
-        except Exception as e:  # a compiler failure must not take the service down
-            if not self.compiled:
-                raise
-            log.warning("torch.compile of the cached flow call failed (%s: %s); running it eagerly",
-                        type(e).__name__, e)
-            self._call, self.compiled = self._rebuilt, False
-            return self._call(*call)
+        tokens = torch.zeros(Bb, Nb + self.flow.dims.pre_lookahead_len, dtype=torch.int32, device=self.device)
+        return dict(tokens=tokens, **{name: torch.zeros(Bb, dtype=torch.long, device=self.device)
+                                      for name in ("slots", "start", "end", "keep")})

@@ -146,15 +146,11 @@ class MaskedDiffFlow(nn.Module):
         return mel, new
 
     def forward_slots(self, tokens: Tensor, g: SlotGeometry, prompt_feat: Tensor, prompt_feat_lens: Tensor,
-                      embedding: Tensor, entries: Sequence[Tensor], n_encoder_entries: int,
-                      estimator: Callable[..., Tensor] | None = None, encode: Callable[..., Tensor] | None = None
-                      ) -> Tensor:
+                      embedding: Tensor, entries: Sequence[Tensor], n_encoder_entries: int) -> Tensor:
         """`forward_cached` over state slots (prefix.SlotGeometry, token2wav/state_pool.py): the same
         frames, from tensors alone (a CUDA graph can hold it). entries: the slots' state tensors in
         cursor order, the encoder's first, then each CFM step's. Streaming calls only (look-ahead
-        pre_lookahead_len tokens). estimator: runs each CFM step (CausalConditionalCFM.forward_cached;
-        None: the module, eagerly); encode(x, cursor, g) -> mu runs the encoder (None: encode_cached,
-        eagerly). Returns mel (B, 80, ratio·N) of frames [ratio·start, ratio·end)."""
+        pre_lookahead_len tokens). Returns mel (B, 80, ratio·N) of frames [ratio·start, ratio·end)."""
         per_step = (len(entries) - n_encoder_entries) // self.decoder.params.n_timesteps
         encoder = SlotCursor(entries[:n_encoder_entries])
 
@@ -163,7 +159,7 @@ class MaskedDiffFlow(nn.Module):
             return SlotCursor(entries[first:first + per_step])
 
         return self._cached_call(tokens, g, prompt_feat, prompt_feat_lens, embedding, encoder, step_cursor,
-                                 lambda step, c: None, None, estimator, encode)
+                                 lambda step, c: None, None)
 
     def state_layout(self, n_tokens: int) -> tuple[list[EntryShape], int]:
         """The state entries a cached call walks (encoder's, then one CFM step's), and how many are
@@ -180,14 +176,12 @@ class MaskedDiffFlow(nn.Module):
         return encoder.entries + step1.entries, len(encoder.entries)
 
     def _cached_call(self, tokens: Tensor, g, prompt_feat: Tensor, prompt_feat_lens: Tensor, embedding: Tensor,
-                     encoder_cursor, step_cursor: Callable, step_done: Callable, context: Tensor | None,
-                     estimator: Callable[..., Tensor] | None = None, encode: Callable[..., Tensor] | None = None
-                     ) -> Tensor:
+                     encoder_cursor, step_cursor: Callable, step_done: Callable, context: Tensor | None) -> Tensor:
         """The body of a cached call, whichever cursor holds the state: mel (B, 80, ratio·N)."""
         dtype, device = self.input_embedding.weight.dtype, self.input_embedding.weight.device
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device).float(), dim=1).to(dtype))
         x = self.input_embedding(tokens.to(device).clamp(min=0).long())
-        mu = (self.encode_cached(x, g, encoder_cursor, context) if encode is None else encode(x, encoder_cursor, g))
+        mu = self.encode_cached(x, g, encoder_cursor, context)
 
         g2 = g.scaled(self.dims.token_mel_ratio)
         valid = g2.valid()
@@ -199,7 +193,7 @@ class MaskedDiffFlow(nn.Module):
         in_prompt = valid & (pos < prompt_feat_lens.to(device).unsqueeze(1))
         cond = torch.gather(feat, 1, pos.clamp(max=feat.size(1) - 1).unsqueeze(-1).expand(-1, -1, feat.size(2)))
         cond = (cond * in_prompt.unsqueeze(-1).to(dtype)).transpose(1, 2)
-        return self.decoder.forward_cached(mu, mask, spks, cond, g2, step_cursor, step_done, estimator)
+        return self.decoder.forward_cached(mu, mask, spks, cond, g2, step_cursor, step_done)
 
     @torch.inference_mode()
     def inference(

@@ -68,14 +68,12 @@ class CausalConditionalCFM(nn.Module):
         return self._integrate(x, mu, mask, spks, cond, lambda step, *args: estimator(*args, streaming), trace)
 
     def forward_cached(self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, g,
-                       step_cursor: Callable[[int], object], step_done: Callable[[int, object], None],
-                       estimator: Callable[..., Tensor] | None = None) -> Tensor:
+                       step_cursor: Callable[[int], object], step_done: Callable[[int, object], None]) -> Tensor:
         """A cached streaming call (prefix.py): mu, cond (B, 80, N) and mask (B, 1, N) hold frames
         [start, end) of each item of `g` (a Geometry or SlotGeometry). step_cursor(step) gives the
         cursor over the items' estimator state at that CFM step (1-based); step_done(step, cursor)
-        is called after the step's estimator call. estimator(x2, mask2, mu2, t2, spks2, cond2,
-        cursor, g) -> v runs one step (default: the module's own PyTorch estimator, eagerly; the
-        state pool passes a compiled one, token2wav/slot_calls.py)."""
+        is called after the step's estimator call (the module's own PyTorch estimator; the state
+        pool runs a copy of the flow whose blocks are compiled, token2wav/slot_regions.py)."""
         C = mu.shape[1]
         if g.K > self.params.noise_frames:
             raise ValueError(f"{g.K} mel frames (prompt + target) exceed the {self.params.noise_frames} frames of flow noise")
@@ -83,13 +81,9 @@ class CausalConditionalCFM(nn.Module):
         # the noise at each item's absolute frames (padding frames clamp to a valid one; masked anyway)
         x = noise[:, g.positions().clamp(max=self.params.noise_frames - 1)].permute(1, 0, 2)
 
-        if estimator is None:
-            def estimator(x2, mask2, mu2, t2, spks2, cond2, cursor, g):
-                return self.estimator(x2, mask2, mu2, t2, spks2, cond2, cache=(cursor, g))
-
         def step_fn(step, x2, mask2, mu2, t2, spks2, cond2):
             cursor = step_cursor(step)
-            v = estimator(x2, mask2, mu2, t2, spks2, cond2, cursor, g)
+            v = self.estimator(x2, mask2, mu2, t2, spks2, cond2, cache=(cursor, g))
             step_done(step, cursor)
             return v
 

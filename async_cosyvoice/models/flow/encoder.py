@@ -140,6 +140,9 @@ class Upsample1D(nn.Module):
 
 
 class UpsampleConformerEncoder(nn.Module):
+    # what regional compilation compiles (token2wav/slot_regions.py, the cached slot call): one program per block class
+    repeated_blocks = (ConformerLayer,)
+
     def __init__(self, dims: EncoderDims):
         super().__init__()
         self.dims = dims

@@ -278,6 +278,11 @@ class LayoutCursor:
         self.n_tokens = n_tokens
         self.entries: list[EntryShape] = []
 
+    @property
+    def pos(self) -> int:
+        """Entries walked so far (as Cursor.pos and SlotCursor.pos)."""
+        return len(self.entries)
+
     def conv(self, x: Tensor, context: int, g) -> Tensor:
         R = x.shape[0] // g.B
         self.entries.append(EntryShape("conv", (R, x.shape[1], context), 1))
