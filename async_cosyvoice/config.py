@@ -111,7 +111,8 @@ class Token2WavConfig(_Section):
     # a cached call attends over its streams' filled tokens rounded up to this step (null: the slots' capacity)
     flow_cache_key_tokens: int | None = Field(64, ge=1)
     flow_cache_graphs: bool = True
-    # with estimator: compiled, also torch.compile the cached calls' estimator step (false: eager, still graphed)
+    # with estimator: compiled, also torch.compile the cached calls, by regions: each repeated block class of the
+    # flow one program, the glue eager (token2wav/slot_regions.py; false: eager, still graphed)
     flow_cache_compile: bool = True
     # the final chunk also from the cache, with chunked attention: NOT exact (upstream's final uses full attention)
     flow_cache_chunked_final: bool = False

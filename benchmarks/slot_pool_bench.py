@@ -8,6 +8,9 @@ how far the pool's fp16 mels are from the recompute's, and a torch.profiler brea
         --setups pool-capacity pool recompute --out $OUT
     # CPU smoke test, tiny fixture
     python benchmarks/slot_pool_bench.py --model-dir ../shared/fixtures/cosyvoice2-tiny --streams 1 2 --tokens 60
+    # CPU set-up of the compiled cached step (its blocks compiled by regions) against the eager one
+    PYTHONPATH=. python benchmarks/slot_pool_bench.py --model-dir ../shared/fixtures/cosyvoice2-tiny --compile \
+        --streams 1 2 --prompt-tokens 50 --tokens 100 --slots 2 --setups pool-keys pool --skip-difference
 
 Each setup is the token2wav stage the server builds (`token2wav.stage.token2wav_batcher`) from
 configs/gpu.yaml with the flow cache off (`recompute`: whole-flow graphs over prompt + all tokens,
@@ -16,7 +19,10 @@ the final chunk recomputes, exactly as upstream):
 
 - `pool-capacity`: every call attends over the slots' whole capacity, eager step (the pool as first built);
 - `pool-keys`: over the call's key bucket (its streams' filled tokens rounded up), eager step;
-- `pool`: key buckets and the estimator step through torch.compile (configs/gpu.yaml's estimator: compiled).
+- `pool`: key buckets and the cached step's repeated blocks through torch.compile (configs/gpu.yaml's
+  estimator: compiled; token2wav/slot_regions.py). On a CPU only with --compile (torch.compile
+  without CUDA graphs; without it a CPU runs every setup's estimator eagerly): its set-up against
+  `pool-keys` is what compiling the cached step costs.
 
 All streams share one registered speaker's 150-token prompt and run their chunks in lockstep
 rounds (one `run_many` per round: flow + HiFT), like the batcher under load. Rounds are timed with
@@ -64,7 +70,7 @@ def stage(model_dir, models, setup: str, args, estimator: str | None = None, slo
     raw["model"].update(dir=str(model_dir.path), device=args.device)
     raw.setdefault("limits", {})["max_concurrent_streams"] = max(args.streams)
     t2w = raw["token2wav"]
-    if args.device != "cuda" or estimator:
+    if (args.device != "cuda" and not args.compile) or estimator:
         t2w.update(estimator=estimator or "torch")
     t2w.update(SETUPS[setup], max_batch=max(args.streams))
     if t2w["flow_cache"]:
@@ -179,6 +185,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile-streams", type=int, default=None, help="profile one pass at this many streams")
     ap.add_argument("--slots", type=int, help="stream slots of the pool (default: as many as fit, "
                     "flow_cache_slots: auto); streams past them recompute, as in the server")
+    ap.add_argument("--compile", action="store_true", help="on a CPU: keep configs/gpu.yaml's compiled "
+                    "estimator (torch.compile, no CUDA graphs), so `pool` compiles its cached step (on CUDA it always does)")
     ap.add_argument("--fp32-check", action="store_true", help="also compare pool and recompute with an fp32 flow")
     ap.add_argument("--skip-difference", action="store_true", help="skip the pool-vs-recompute mel difference")
     ap.add_argument("--out", type=Path, default=Path("runs/slot-pool"))
@@ -234,6 +242,8 @@ def main(argv=None) -> None:
             res["pool_stats"] = vars(runner.state_pool.stats)
             res["slot_graphs"] = {"captured": len(calls.graphs), "replays": calls.replays, "fallbacks": calls.fallbacks,
                                   "compiled": calls.compiled,
+                                  "programs_per_block_class": {} if calls.regions is None else
+                                  {cls.__name__: calls.regions.programs_of(cls) for cls in calls.regions.programs},
                                   "calls_by_key_tokens": dict(sorted(calls.key_buckets.items())),
                                   "buckets": sorted(calls.graphs)}
         results["setups"][setup] = res

@@ -170,7 +170,7 @@ class DiTBlock(nn.Module):
 
 
 class DiT(nn.Module):
-    # what regional compilation compiles (estimator/torch_backend.compile_estimator)
+    # what regional compilation compiles (estimator/regions.py: compile_estimator and the cached slot call)
     repeated_blocks = (DiTBlock,)
 
     def __init__(self, dims: DiTDims):

@@ -145,7 +145,8 @@ class TransformerBlock(nn.Module):
 
 
 class CausalConditionalDecoder(nn.Module):
-    # what regional compilation compiles (estimator/torch_backend.compile_estimator): one program per block class
+    # what regional compilation compiles (estimator/regions.py: the recompute estimator, compile_estimator, and the
+    # cached slot call, token2wav/slot_regions.py): one program per block class
     repeated_blocks = (TransformerBlock, CausalResnetBlock1D)
 
     def __init__(self, dims: EstimatorDims):
