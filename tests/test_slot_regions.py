@@ -101,6 +101,7 @@ def test_the_regional_copy_wraps_each_repeated_block_and_leaves_the_flow_as_it_i
 @pytest.mark.slow  # inductor's C++ builds: ~1 min on a cold cache
 def test_regional_calls_equal_eager_with_a_few_programs_per_block_class(flow):  # noqa: F811
     torch._dynamo.reset()
+    counters.clear()
     eager = pool_calls(flow)
     expected = run(eager)
     regional = pool_calls(flow, compile=True, stream_buckets=(1, 2, 4))
