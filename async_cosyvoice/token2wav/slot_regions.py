@@ -5,10 +5,11 @@ its class, shared by all its instances, CFM steps and buckets; the glue between 
 masks, the time embedding, the causal convs outside the blocks, the solver) runs eagerly, and the
 CUDA graph of the bucket (slot_calls.py) captures both.
 
-Why not the whole call as one program (CompiledSlotCall): Dynamo then traces every block instance
-with its cache reads and writes (CosyVoice2: 56 transformer blocks, 14 resnets, 10 conformer
-layers, per CFM step) for each bucket shape family; on an H200 that set-up did not finish within
-~6 minutes. By regions a block class is traced once per shape family.
+Why not the whole call as one program (the first compiled step, CompiledSlotCall, now gone):
+Dynamo traced every block instance with its cache reads and writes (CosyVoice2: 56 transformer
+blocks, 14 resnets, 10 conformer layers, per CFM step) for each bucket shape family; on an H200
+that set-up did not finish within ~6 minutes, on the CPU it took ~7x the regional one
+(docs/flow-cache.md). By regions a block class is traced once per shape family.
 
 A block's program is `_run_block`, a function of tensors and ints only: it gets the block's own
 state entries (a slice of the call's, as a fresh SlotCursor) and rebuilds the geometry from the
