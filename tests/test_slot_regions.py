@@ -150,3 +150,30 @@ def test_a_compiler_failure_falls_back_to_eager_with_one_warning(flow, caplog): 
     warnings = [r for r in caplog.records if r.name == "async_cosyvoice.token2wav.slot_regions"]
     assert len(warnings) == 1 and "running its blocks eagerly" in warnings[0].getMessage()
     assert_same_calls(broken, eager, got, expected)
+
+
+@pytest.mark.slow  # inductor's C++ builds
+def test_a_torch_without_recompile_regions_gets_a_program_per_class_all_the_same(flow, monkeypatch):  # noqa: F811
+    """torch.compile as an older torch has it (no isolate_recompiles / recompile_limit: the GPU
+    image had 2.11): each block class compiles its own copy of the block function, the calls stay
+    equal to eager, and the classes' programs are counted apart."""
+    real = torch.compile
+
+    def older_compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                      disable=False):
+        return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options,
+                    disable=disable)
+
+    monkeypatch.setattr(torch, "compile", older_compile)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)  # raised
+    torch._dynamo.reset()
+    eager = pool_calls(flow)
+    expected = run(eager, ROUNDS[:1])
+    regional = pool_calls(flow, compile=True)
+    got = run(regional, ROUNDS[:1])
+    assert_same_calls(regional, eager, got, expected)
+    regions = regional.regions
+    assert regions.compiled
+    names = {program._torchdynamo_orig_callable.__code__.co_name for program in regions.programs.values()}
+    assert names == {"_run_ConformerLayer", "_run_TransformerBlock", "_run_CausalResnetBlock1D"}
+    assert all(regions.programs_of(cls) >= 1 for cls in regions.programs)

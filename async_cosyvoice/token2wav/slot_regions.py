@@ -21,13 +21,17 @@ index_put_ / index_copy_ on graph inputs; tests/test_slot_regions.py checks the 
 
 Each class's programs are a recompile region of their own (`isolate_recompiles`), so the
 recompute estimator's programs of the same block classes (compile_estimator) do not count
-against them, with room for every shape family the warm-up meets (`RECOMPILE_LIMIT`). A compiler
-failure falls back to eager, for every block, with one warning.
+against them, with room for every shape family the warm-up meets (`RECOMPILE_LIMIT`). A torch
+whose torch.compile has no recompile regions (the GPU image had 2.11; these tests run 2.13) gets
+a copy of `_run_block`'s code per class instead, each with programs of its own, and Dynamo's
+process-wide recompile limit raised to RECOMPILE_LIMIT (`block_program`). A compiler failure
+falls back to eager, for every block, with one warning.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -51,14 +55,32 @@ def _run_block(block: nn.Module, inputs: tuple[Tensor, ...], slots: Tensor, star
     return block(*inputs, (SlotCursor(entries), SlotGeometry(slots, start, end, keep, N, K)))
 
 
+def block_program(cls: type[nn.Module], options: dict | None) -> tuple[Callable, Callable[[], int]]:
+    """The compiled `_run_block` of one block class, and how many programs it holds so far."""
+    try:
+        program = torch.compile(_run_block, dynamic=True, options=options, isolate_recompiles=True,
+                                recompile_limit=RECOMPILE_LIMIT)
+    except TypeError:  # a torch.compile without recompile regions
+        code = _run_block.__code__.replace(co_name=f"_run_{cls.__name__}")
+        own = types.FunctionType(code, _run_block.__globals__, code.co_name)
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
+        return (torch.compile(own, dynamic=True, options=options),
+                lambda: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)))
+    region = program._isolate_recompiles_id
+    return program, lambda: len(torch._dynamo.eval_frame._get_cache_entries_for_region(_run_block.__code__, region))
+
+
 class SlotRegions:
     """`flow` for cached slot calls with its repeated blocks compiled (`self.flow`: a copy sharing
     its weights; call its forward_slots). `compiled`: False once a compile failed (all eager)."""
 
     def __init__(self, flow: MaskedDiffFlow, options: dict | None = None):
         """options: inductor's, for every program (torch.compile's `options`)."""
-        self.programs = {cls: torch.compile(_run_block, dynamic=True, options=options, isolate_recompiles=True,
-                                            recompile_limit=RECOMPILE_LIMIT) for cls in repeated_blocks(flow)}
+        compiled = {cls: block_program(cls, options) for cls in repeated_blocks(flow)}
+        self.programs = {cls: program for cls, (program, _) in compiled.items()}
+        self._counts = {cls: count for cls, (_, count) in compiled.items()}
         self.compiled = True
         self.flow: MaskedDiffFlow = regional(flow, lambda block: CachedBlock(block, self))
         self.flow.state_layout(flow.dims.chunk_tokens)  # each block's entry count, from an eager walk
@@ -78,10 +100,8 @@ class SlotRegions:
         return _run_block(*call)
 
     def programs_of(self, cls: type[nn.Module]) -> int:
-        """Dynamo programs compiled for `cls` (its recompile region's cache entries)."""
-        program = self.programs[cls]
-        return len(torch._dynamo.eval_frame._get_cache_entries_for_region(_run_block.__code__,
-                                                                          program._isolate_recompiles_id))
+        """Dynamo programs compiled for `cls` (its recompile region's, or its own code's, cache entries)."""
+        return self._counts[cls]()
 
 
 class CachedBlock(nn.Module):
