@@ -94,6 +94,8 @@ _DEVICE_FAMILIES = (
      "Wanted CUDA graphs the token2wav batcher's capture thread captured (beside the batches)"),
     ("capture_seconds", CounterMetricFamily, "cosyvoice_device_cuda_graph_capture_seconds",
      "Seconds of the token2wav batcher's captures of wanted graphs"),
+    ("capture_gave_way_seconds", CounterMetricFamily, "cosyvoice_device_cuda_graph_capture_gave_way_seconds",
+     "Seconds the token2wav batcher's captures waited for streams owed their first chunk"),
     ("capturing", GaugeMetricFamily, "cosyvoice_device_cuda_graph_capturing",
      "1 while the token2wav batcher's capture thread is capturing wanted graphs"))
 

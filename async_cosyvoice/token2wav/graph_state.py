@@ -31,6 +31,7 @@ class DeviceGraphState:
     kinds: tuple[GraphKindState, ...] = ()
     background_captures: int = 0   # the batcher's captures of wanted graphs (its capture thread)
     capture_seconds: float = 0.0   # their seconds
+    capture_gave_way_seconds: float = 0.0  # seconds they waited for streams owed their first chunk
     capturing: bool = False        # its capture thread is at work (a bucket leaves `wanted` as its capture starts)
 
     @property
@@ -45,7 +46,7 @@ class DeviceGraphState:
 def read_graph_state(batcher: Token2WavBatcher) -> DeviceGraphState:
     """The state of an in-process batcher's graph holders (`Token2WavRunner.graph_holders`: those
     that capture; none on a CPU), holders of one kind added up, and the captures of its capture
-    thread (`background_captures`, `capture_seconds`, `capturing`)."""
+    thread (`background_captures`, `capture_seconds`, `capture_gave_way_seconds`, `capturing`)."""
     kinds: dict[str, list[int]] = {}
     for g in batcher.runner.graph_holders():
         # len() of dicts the device and capture threads change: atomic under the GIL
@@ -55,7 +56,7 @@ def read_graph_state(batcher: Token2WavBatcher) -> DeviceGraphState:
             total[i] += n
     return DeviceGraphState(tuple(GraphKindState(kind, *counts) for kind, counts in kinds.items()),
                             batcher.background_captures, batcher.capture_seconds,
-                            batcher.capturing)
+                            batcher.capture_gave_way_s, batcher.capturing)
 
 
 def graph_state_of(batcher) -> DeviceGraphState | None:
