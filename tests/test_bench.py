@@ -609,8 +609,8 @@ def test_multi_gpu_notes_name_the_setups_that_ran_together():
     rows = [row("one", 1, ["cuda:0"], ["workers-2-at1"]), row("workers-2-at1", 1, ["cuda:1", "cuda:2"], ["one"]),
             row("workers-4", 2, ["cuda:0", "cuda:1"], []), row("disaggregated-4", 1, ["cuda:0", "cuda:1"], [])]
     together = [n for n in script.notes(rows, {}) if "ran at the same time" in n]
-    assert together == ["round 1: one (cuda:0) and workers-2-at1 (cuda:1, cuda:2) ran at the same time "
-                        "(own server, ports and client each; the host shared)"]
+    assert together == [("round 1: one (cuda:0) and workers-2-at1 (cuda:1, cuda:2) ran at the same time "
+                         "(own server, ports and client each; the host shared)")]
 
 
 def test_multi_gpu_setups_parse():
