@@ -22,7 +22,7 @@ from async_cosyvoice.models.cosyvoice3.flow import DiTFlow
 from async_cosyvoice.models.flow.encoder import ConformerLayer
 from async_cosyvoice.models.flow.estimator import CausalResnetBlock1D, TransformerBlock
 from async_cosyvoice.token2wav.slot_calls import SlotCalls
-from async_cosyvoice.token2wav.slot_regions import CachedBlock, SlotRegions
+from async_cosyvoice.token2wav.slot_regions import RECOMPILE_LIMIT, CachedBlock, SlotRegions
 from async_cosyvoice.token2wav.state_pool import StatePool
 
 torch.set_num_threads(1)
@@ -165,15 +165,20 @@ def test_a_torch_without_recompile_regions_gets_a_program_per_class_all_the_same
                     disable=disable)
 
     monkeypatch.setattr(torch, "compile", older_compile)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)  # raised
     torch._dynamo.reset()
     eager = pool_calls(flow)
     expected = run(eager, ROUNDS[:1])
-    regional = pool_calls(flow, compile=True)
-    got = run(regional, ROUNDS[:1])
+    limit = torch._dynamo.config.recompile_limit  # raised by the fallback (monkeypatch's undo deletes the key)
+    try:
+        regional = pool_calls(flow, compile=True)
+        got = run(regional, ROUNDS[:1])
+        raised = torch._dynamo.config.recompile_limit
+    finally:
+        torch._dynamo.config.recompile_limit = limit
     assert_same_calls(regional, eager, got, expected)
     regions = regional.regions
     assert regions.compiled
     names = {program._torchdynamo_orig_callable.__code__.co_name for program in regions.programs.values()}
     assert names == {"_run_ConformerLayer", "_run_TransformerBlock", "_run_CausalResnetBlock1D"}
     assert all(regions.programs_of(cls) >= 1 for cls in regions.programs)
+    assert raised == max(limit, RECOMPILE_LIMIT)
