@@ -351,7 +351,7 @@ def test_captures_give_way_to_a_stream_owed_its_first_chunk(models, prompt):
             batcher.stream_ended(silent)
             await asyncio.wait_for(runner.drained.wait(), WAIT_S)
             batcher.stream_ended(stream)
-            return held, first, held_b, runner.events, batcher.first_chunks.owed, batcher.capture_gave_way_s
+            return held, first, held_b, runner.events, batcher.first_chunks.owed, batcher.capture_gave_way_seconds
         finally:
             await batcher.close()
 

@@ -126,7 +126,7 @@ def test_the_graph_series_are_the_holders_counts_after_synthesis(server, golden_
     batcher = server.server.synthesizer.batcher
     assert found[("cosyvoice_device_cuda_graph_background_captures", None)] == batcher.background_captures == 0
     assert found[("cosyvoice_device_cuda_graph_capture_seconds", None)] == 0.0
-    assert found[("cosyvoice_device_cuda_graph_capture_gave_way_seconds", None)] == batcher.capture_gave_way_s == 0.0
+    assert found[("cosyvoice_device_cuda_graph_capture_gave_way_seconds", None)] == batcher.capture_gave_way_seconds == 0.0
     assert found[("cosyvoice_device_cuda_graph_capturing", None)] == 0.0
 
 

@@ -137,7 +137,7 @@ class Token2WavBatcher:
         self.first_chunks = FirstChunksOwed()  # of those, the ones owed their first chunk
         self.background_captures = 0  # wanted CUDA graphs captured in the capture thread (a failed one included)
         self.capture_seconds = 0.0    # their time in the capture thread
-        self.capture_gave_way_s = 0.0  # time they waited for first chunks (FirstChunksOwed.give_way)
+        self.capture_gave_way_seconds = 0.0  # time they waited for first chunks (FirstChunksOwed.give_way)
         self._closed = False
         self.offline = (OfflineBatcher(runner, self.run_on_device, offline, offline_wait_s)
                         if offline is not None and batching else None)
@@ -389,7 +389,7 @@ class Token2WavBatcher:
         anything else out of it is logged here and stops this round, never the batcher."""
         while not self._closed and self.runner.wants_capture:
             gave_way = await self.first_chunks.give_way()
-            self.capture_gave_way_s += gave_way
+            self.capture_gave_way_seconds += gave_way
             if self._closed:
                 return
             try:

@@ -56,7 +56,7 @@ def read_graph_state(batcher: Token2WavBatcher) -> DeviceGraphState:
             total[i] += n
     return DeviceGraphState(tuple(GraphKindState(kind, *counts) for kind, counts in kinds.items()),
                             batcher.background_captures, batcher.capture_seconds,
-                            batcher.capture_gave_way_s, batcher.capturing)
+                            batcher.capture_gave_way_seconds, batcher.capturing)
 
 
 def graph_state_of(batcher) -> DeviceGraphState | None:
