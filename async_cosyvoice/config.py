@@ -83,6 +83,10 @@ class Token2WavConfig(_Section):
     # at most this many flow positions (prompt + tokens, summed over a batch's jobs) per streaming batch,
     # so a long render is split into batches that new first chunks can run between; None: no bound
     max_batch_tokens: int | None = Field(None, ge=1)
+    # while the capture thread captures a CUDA graph beside the batches, Python's thread switch interval is
+    # at most this (Python's own: 5 ms), so the LLM step thread waits less for the GIL (switch_interval.py);
+    # None: leave it
+    capture_switch_interval_ms: float | None = Field(0.5, gt=0)
     # jobs of one batch run the flow together when their lengths are within this ratio (padding <= 1 - 1/ratio)
     length_bucket_ratio: float = Field(1.5, ge=1)
     estimator_cache_dir: Path | None = None  # ONNX exports / TensorRT plans; None: ~/.cache/async_cosyvoice

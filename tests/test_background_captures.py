@@ -12,6 +12,7 @@ batches and captures can be read back.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -379,3 +380,29 @@ def test_an_old_stream_owed_its_first_chunk_holds_no_capture_back(models, prompt
             await batcher.close()
 
     assert asyncio.run(scenario()) == (["capture a"], 1)
+
+
+def test_a_capture_beside_the_batches_runs_with_the_shortened_switch_interval(models, prompt):
+    """While the capture thread captures, Python's switch interval is the batcher's
+    capture_switch_interval_s (so the LLM step thread waits less for the GIL); after, Python's own."""
+    class Interval(CaptureLog):
+        def capture_wanted(self) -> bool:
+            self.events.append(f"interval {sys.getswitchinterval():.4f}")
+            return super().capture_wanted()
+
+    async def scenario():
+        runner = Interval(models.flow, models.hift)
+        batcher = Token2WavBatcher(runner, capture_switch_interval_s=0.0005)
+        await batcher.serve_captures()
+        try:
+            runner.want("a")
+            await batcher.run_on_device(lambda: None)
+            await asyncio.wait_for(runner.drained.wait(), WAIT_S)
+            await asyncio.wait_for(batcher._capturing, WAIT_S)
+            return runner.events, sys.getswitchinterval()
+        finally:
+            await batcher.close()
+
+    before = sys.getswitchinterval()
+    events, after = asyncio.run(scenario())
+    assert events == ["interval 0.0005", "capture a"] and after == before

@@ -49,6 +49,7 @@ from ..compile_cache import resume_compiling, stop_compiling
 from ..device_errors import device_error
 from ..graph_buckets import CapturePlan, GraphBuckets, batch_sizes
 from ..stage_stats import StageStats, timed_call
+from ..switch_interval import shortened_switch_interval
 from .first_chunks import FirstChunksOwed
 from .offline import OfflineLimits, is_offline_job
 from .offline_batcher import OfflineBatcher
@@ -107,9 +108,11 @@ def flow_positions(job: Token2WavJob) -> int:
 class Token2WavBatcher:
     def __init__(self, runner: Token2WavRunner, max_batch: int = 32, batching: bool = True,
                  max_batch_tokens: int | None = None, offline: OfflineLimits | None = None,
-                 offline_wait_s: float = 0.01):
+                 offline_wait_s: float = 0.01, capture_switch_interval_s: float | None = None):
         """offline: limits of the offline collector for non-streaming utterances (None: they run
-        here, as one job each); offline_wait_s: how long its oldest job waits for others."""
+        here, as one job each); offline_wait_s: how long its oldest job waits for others;
+        capture_switch_interval_s: Python's thread switch interval while a capture runs beside the
+        batches (switch_interval.py; None: Python's own)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -117,6 +120,7 @@ class Token2WavBatcher:
         self.runner = runner
         self.max_batch = max_batch if batching else 1
         self.max_batch_tokens = max_batch_tokens
+        self.capture_switch_interval_s = capture_switch_interval_s
         self.stage_stats = StageStats("token2wav_batch")
         self.stats = BatcherStats()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token2wav")
@@ -393,7 +397,8 @@ class Token2WavBatcher:
             if self._closed:
                 return
             try:
-                captured, seconds = await self._in_capture_thread(self.runner.capture_wanted, timed=True)
+                with shortened_switch_interval(self.capture_switch_interval_s):
+                    captured, seconds = await self._in_capture_thread(self.runner.capture_wanted, timed=True)
             except Exception:  # noqa: BLE001
                 log.exception("capturing a wanted CUDA graph failed; its calls keep running without one")
                 return

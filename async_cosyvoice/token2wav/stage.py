@@ -59,7 +59,8 @@ def token2wav_batcher(config: Config, models: Models, model_dir: ModelDir) -> To
     offline = (OfflineLimits(t2w.offline_max_batch, t2w.offline_max_frames, t2w.length_bucket_ratio)
                if t2w.offline else None)
     return Token2WavBatcher(runner, max_batch=t2w.max_batch, batching=t2w.batching, offline=offline,
-                            offline_wait_s=t2w.offline_wait_ms / 1000, max_batch_tokens=t2w.max_batch_tokens)
+                            offline_wait_s=t2w.offline_wait_ms / 1000, max_batch_tokens=t2w.max_batch_tokens,
+                            capture_switch_interval_s=None if (ms := t2w.capture_switch_interval_ms) is None else ms / 1000)
 
 
 def device_token2wav_batcher(config: Config, model_dir: ModelDir, device: str) -> Token2WavBatcher:
