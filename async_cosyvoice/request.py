@@ -204,13 +204,18 @@ class ChunkTiming:
 @dataclass(frozen=True)
 class FirstChunkParts:
     """Where a first chunk's time went (seconds): `tokens` from submission until its speech tokens
-    were there (LM prefill and steps), `wait` for a token2wav batch to take it, `t2w` its batch."""
+    were there (LM prefill and steps), `wait` for a token2wav batch to take it, `t2w` its batch;
+    the three add up to the first chunk. `first_token`, a part of `tokens`: until the first speech
+    token reached the request (waiting for the LM, its prefill, the step that samples it); the rest
+    of `tokens` is the decode steps to the first hop."""
     tokens: float
     wait: float
     t2w: float
+    first_token: float
 
     def __str__(self) -> str:  # the request log lines' first_chunk_parts (ms)
-        return f"tokens:{self.tokens * 1e3:.1f},wait:{self.wait * 1e3:.1f},t2w:{self.t2w * 1e3:.1f}"
+        return (f"tokens:{self.tokens * 1e3:.1f},wait:{self.wait * 1e3:.1f},t2w:{self.t2w * 1e3:.1f},"
+                f"first_token:{self.first_token * 1e3:.1f}")
 
 
 @dataclass
@@ -231,4 +236,5 @@ class Timeline:
         c = self.chunks[0] if self.chunks else None
         if c is None or not (c.queued and c.started and c.done):
             return None
-        return FirstChunkParts(c.queued - self.submitted, c.started - c.queued, c.done - c.started)
+        first_token = (self.first_token or c.queued) - self.submitted  # no LM (voice conversion): its tokens
+        return FirstChunkParts(c.queued - self.submitted, c.started - c.queued, c.done - c.started, first_token)

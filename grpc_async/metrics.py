@@ -50,7 +50,8 @@ class Metrics:
         self.first_chunk_parts = Histogram(
             "cosyvoice_first_chunk_part_seconds",
             "Where first chunks' time went: tokens (until the LM's speech tokens were there), wait (for a "
-            "token2wav batch to take the chunk), t2w (its batch)",
+            "token2wav batch to take the chunk), t2w (its batch); first_token, a part of tokens (until the "
+            "first speech token: waiting for the LM and its prefill)",
             ["part"], buckets=_LATENCY_BUCKETS, registry=r)
         self.rtf = Histogram(
             "cosyvoice_rtf", "Real-time factor of completed syntheses (wall time / audio time)",

@@ -249,13 +249,14 @@ def test_stage_counters_from_prometheus_text():
 
     # where first chunks' time went: a stage per part, its ms_per_call the part's mean
     from async_cosyvoice.request import FirstChunkParts
-    for parts in (FirstChunkParts(0.05, 0.01, 0.04), FirstChunkParts(0.07, 0.03, 0.06)):
+    for parts in (FirstChunkParts(0.05, 0.01, 0.04, 0.02), FirstChunkParts(0.07, 0.03, 0.06, 0.03)):
         metrics.record_request("Synthesize", "sft", "OK", True, "true", 0.5, 0.1, 1.0, 25, 2, parts)
     d = bench.stage_delta(after, bench.parse_prometheus(generate_latest(metrics.registry).decode()), wall_s=2.0)
     assert {p: (d[f"first_chunk_{p}"]["calls"], round(d[f"first_chunk_{p}"]["ms_per_call"], 6))
-            for p in ("tokens", "wait", "t2w")} == {"tokens": (2, 60.0), "wait": (2, 20.0), "t2w": (2, 50.0)}
+            for p in ("tokens", "wait", "t2w", "first_token")} == {"tokens": (2, 60.0), "wait": (2, 20.0),
+                                                                   "t2w": (2, 50.0), "first_token": (2, 25.0)}
     table = bench.format_stages([{"concurrency": 1, "stages": d}])
-    assert table.splitlines()[-1].split()[-3:] == ["60.0", "20.0", "50.0"]
+    assert table.splitlines()[-1].split()[-4:] == ["60.0", "20.0", "50.0", "25.0"]
 
 
 def test_synthetic_prompt_is_deterministic_and_bounded():

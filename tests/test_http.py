@@ -341,10 +341,11 @@ def test_log_line_says_where_the_first_chunk_went(http, caplog):
             time.sleep(0.05)
     (line,) = [m for m in caplog.messages if ours in m]
     assert "POST /v1/audio/speech" in line
-    parts = re.search(r"first_chunk_parts=tokens:([0-9.]+),wait:([0-9.]+),t2w:([0-9.]+) ", line)
+    parts = re.search(r"first_chunk_parts=tokens:([0-9.]+),wait:([0-9.]+),t2w:([0-9.]+),first_token:([0-9.]+) ", line)
     assert parts, line
     first_ms = float(re.search(r"first_chunk_ms=([0-9.]+)", line).group(1))
-    assert sum(float(v) for v in parts.groups()) <= first_ms + 1.0, line
+    tokens, wait, t2w, first_token = (float(v) for v in parts.groups())
+    assert tokens + wait + t2w <= first_ms + 1.0 and first_token <= tokens, line
 
 
 def test_instructions_and_speed(http):

@@ -427,10 +427,11 @@ def test_log_line_says_where_the_first_chunk_went(server, caplog):
     (line,) = [r.getMessage() for r in caplog.records if "id=parts-1 " in r.getMessage()]
     first_ms = float(re.search(r"first_chunk_ms=([0-9.]+)", line).group(1))
     parts = dict(p.split(":") for p in re.search(r"first_chunk_parts=(\S+)", line).group(1).split(","))
-    assert set(parts) == {"tokens", "wait", "t2w"}, line
+    assert set(parts) == {"tokens", "wait", "t2w", "first_token"}, line
     values = {k: float(v) for k, v in parts.items()}
     assert all(v >= 0 for v in values.values()) and values["tokens"] > 0 and values["t2w"] > 0
-    assert sum(values.values()) <= first_ms + 1.0, line
+    assert 0 < values["first_token"] <= values["tokens"], line  # the first token is a part of the tokens' time
+    assert values["tokens"] + values["wait"] + values["t2w"] <= first_ms + 1.0, line
 
 
 def test_first_chunk_parts_need_a_rendered_first_chunk():
@@ -441,9 +442,12 @@ def test_first_chunk_parts_need_a_rendered_first_chunk():
     timeline.chunks.append(ChunkTiming(queued=10.05, started=10.06))
     assert timeline.first_chunk_parts() is None  # not back yet
     timeline.chunks[0].done = 10.1
+    parts = timeline.first_chunk_parts()  # no token came through an LM (voice conversion): all of tokens
+    assert str(parts) == "tokens:50.0,wait:10.0,t2w:40.0,first_token:50.0"
+    timeline.first_token = 10.02
     parts = timeline.first_chunk_parts()
-    assert str(parts) == "tokens:50.0,wait:10.0,t2w:40.0"
-    assert (parts.tokens, parts.wait, parts.t2w) == pytest.approx((0.05, 0.01, 0.04))
+    assert str(parts) == "tokens:50.0,wait:10.0,t2w:40.0,first_token:20.0"
+    assert (parts.tokens, parts.wait, parts.t2w, parts.first_token) == pytest.approx((0.05, 0.01, 0.04, 0.02))
 
 
 # ---- compressed encodings, GetServerInfo, error details (issue 12) ----
