@@ -319,7 +319,7 @@ def test_native_engine_death(tiny_dir, tmp_path):
 
     async def break_engine():
         engine.scheduler.schedule = broken_schedule
-        engine._work.set()
+        engine._wake.set()
 
     async def body():
         async with CosyVoiceClient(st.target) as c, grpc.aio.insecure_channel(st.target) as ch:

@@ -926,8 +926,8 @@ def test_metrics_endpoint(server):
     deadline = time.monotonic() + 10  # the handler records its metrics just after the client's last message
     while (after := part_counts(scrape())) == before and time.monotonic() < deadline:
         time.sleep(0.05)
-    # the request's first chunk, split three ways
-    assert {p: after[p] - before.get(p, 0) for p in after} == {"tokens": 1, "wait": 1, "t2w": 1}
+    # the request's first chunk, split three ways, and the first token's share of its tokens' time
+    assert {p: after[p] - before.get(p, 0) for p in after} == {"tokens": 1, "wait": 1, "t2w": 1, "first_token": 1}
 
 
 def test_reflection_lists_the_service(server):

@@ -24,7 +24,8 @@ class SeqStatus(Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """Owned by the event-loop thread, except `segment_embeds`, which the step thread fills.
+    """Guarded by the engine's lock (native.py): the event loop adds, aborts and feeds text, the step
+    thread plans and commits; a step itself reads it outside the lock and fills `segment_embeds`.
 
     The LM input comes in segments (rows fed as a prefill, possibly over several steps) and single
     decode rows (the last sampled token). A plain request has one segment, its prompt; a bistream
