@@ -33,7 +33,8 @@ ATTENTIONS = ("sdpa", "flex")
 # flex's default block, and the kernel tile inductor picks on an H100 / H200 for head_dim 64 in half
 # precision (128 x 128): a BlockMask block smaller than the tile is refused ("Q and KV block size must be
 # divisible by BLOCK_M and BLOCK_N"), so 64, nearer the 50-frame chunks, would need kernel options that
-# override the tuned tile. With 50-frame chunks at most one key block per query block is partial.
+# override the tuned tile. With 50-frame chunks a query block's limits fall in at most 2 key blocks: those
+# are the partial ones.
 FLEX_BLOCK = 128
 
 AttentionMask = Tensor | BlockMask  # an additive bias (B, 1, T, K) for SDPA, or a flex BlockMask
@@ -69,15 +70,15 @@ def flex_block_mask(valid: Tensor, chunk: int, streaming: bool | Tensor, block: 
     length = valid.sum(-1, dtype=torch.int32)
     rows = _rows(streaming, B, device)
 
-    def limit(q: Tensor) -> Tensor:  # q: (n,) or a mask_mod's index; -> keys [0, limit) allowed
+    def limit(q: Tensor) -> Tensor:  # (n,) query frames -> (B, n): keys [0, limit) allowed
         end = torch.minimum(length.unsqueeze(-1), chunk_end(q, chunk))
         return torch.where(rows.unsqueeze(-1), end, length.unsqueeze(-1))
 
-    first = torch.arange(n, dtype=torch.int32, device=device) * block
+    blocks = torch.arange(n, dtype=torch.int32, device=device)
+    first = blocks * block
     last = (first + block - 1).clamp(max=T - 1)
     full = torch.div(limit(first), block, rounding_mode="floor").to(torch.int32)  # (B, n)
     upto = torch.div(limit(last) + block - 1, block, rounding_mode="floor").to(torch.int32)
-    blocks = torch.arange(n, dtype=torch.int32, device=device)
     full_indices = blocks.expand(B, 1, n, n).contiguous()
     # the partial blocks follow the full ones; indices past a row's count are never read (kept in range)
     partial_indices = (full.unsqueeze(-1) + blocks).clamp(max=n - 1).unsqueeze(1).contiguous()
