@@ -1,8 +1,11 @@
 """The estimator's flex attention (token2wav.flow_attention: flex; models/flow/attention.py) against
 its SDPA attention: the BlockMask says exactly what the dense mask says, is made without reading a
 value on the host, and the estimator and a whole flow call give the SDPA outputs (1e-5 fp32), eager
-and with the blocks torch.compile'd by regions (CPU, inductor's C++ flex template)."""
+and with the blocks torch.compile'd by regions (CPU, inductor's C++ flex template; on a GPU, Triton's
+kernel inside the buckets' CUDA graphs, fp32 and fp16)."""
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -203,3 +206,30 @@ def test_regional_compiled_flex_estimator_matches_sdpa(models):
             assert err <= ATOL
     assert est.compiled  # no compile failure fell back to eager
     assert _programs(TransformerBlock) == 2, _programs(TransformerBlock)
+
+
+@pytest.mark.slow  # two regional compiles on the GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's Triton kernel and CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-3), (torch.float16, 5e-2)], ids=["fp32", "fp16"])
+def test_compiled_flex_graphs_match_sdpa_on_cuda(models, dtype, atol):
+    """configs/gpu.yaml's estimator with flex: blocks compiled by regions (Triton's flex kernel, 128-frame
+    blocks against the fp16 tile), the block mask made inside each bucket's CUDA graph and replayed for
+    other lengths and flags, against the padded eager SDPA call. fp32: TF32 convolutions (1e-3, as
+    test_estimator_backends); fp16: half precision over the blocks."""
+    module = copy.deepcopy(models.flow.decoder.estimator).to("cuda", dtype)
+    flex = CompiledEstimator(module, compile_regions=True, cuda_graphs=True, batch_buckets=(2, 4, 8), attention="flex")
+    sdpa = CompiledEstimator(module, compile=False, cuda_graphs=False, pad_to_buckets=True, batch_buckets=(2, 4, 8))
+    calls = [(6, 100), (2, 64), (6, 300), (3, 130)]
+    for graphed in (False, True):  # first calls run padded without a graph; then their graphs replay
+        for seed, (batch, frames) in enumerate(calls):
+            args = [a.to("cuda", dtype) for a in estimator_inputs(module, batch, frames, seed=seed + graphed)]
+            flag = torch.tensor([True, False] * (batch // 2) + [True] * (batch % 2), device="cuda")
+            with torch.inference_mode():
+                out, want = flex(*args, flag), sdpa(*args, flag)
+            err = (out.float() - want.float()).abs().max().item()
+            print(f"{dtype} B={batch} T={frames} graphed={graphed}: max |flex - sdpa| {err:.2e}")
+            assert out.shape == want.shape and err <= atol
+        if not graphed:
+            while flex.capture_wanted():
+                pass
+    assert flex.compiled and flex.replays == len(calls) and flex.fallbacks == 0
