@@ -98,6 +98,11 @@ class Token2WavConfig(_Section):
     # faster; docs/performance.md). Unused by the other estimators, so a GPU config that sets it can still
     # switch its estimator (e.g. to torch on a CPU) without touching it
     compile_regions: bool = False
+    # the recomputing flow estimator's attention (estimator torch or compiled; CosyVoice2's decoder):
+    # sdpa, an additive T x T bias per call read by every head; flex, torch's flex_attention over a block mask
+    # made once per call, skipping fully masked blocks (models/flow/attention.py; fused only when compiled:
+    # estimator compiled). The flow cache's cached calls and the onnxruntime / tensorrt graphs keep sdpa
+    flow_attention: Literal["sdpa", "flex"] = "sdpa"
     # the exact flow state cache (token2wav/flow_cache.py): streaming chunks compute only the frames after the
     # stream's cached prefix (or its registered speaker's prompt prefix), on the flow's PyTorch module
     flow_cache: bool = True

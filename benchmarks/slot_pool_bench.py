@@ -1,11 +1,15 @@
 """token2wav through the state pool (the exact flow cache as graphed calls) against the graphed
 recompute, on one device: GPU milliseconds per audio-second at N streams, the first chunk alone,
-how far the pool's fp16 mels are from the recompute's, and a torch.profiler breakdown.
+how far the pool's (or the flex recompute's) fp16 mels are from the eager recompute's, and a
+torch.profiler breakdown.
 
     # the H200 run: full-size random model (written once), fp16 flow, the README workload; the pool
     # as first built, then key buckets + compiled step, then the recompute (~150 s of set-up each)
     PYTHONPATH=. python benchmarks/slot_pool_bench.py --device cuda --streams 1 16 32 --profile-streams 32 \
         --setups pool-capacity pool recompute --out $OUT
+    # the recompute's attention, SDPA with a dense bias against flex_attention with a block mask
+    PYTHONPATH=. python benchmarks/slot_pool_bench.py --device cuda --streams 1 16 32 --profile-streams 32 \
+        --setups recompute recompute-flex --skip-difference --out $OUT
     # CPU smoke test, tiny fixture
     python benchmarks/slot_pool_bench.py --model-dir ../shared/fixtures/cosyvoice2-tiny --streams 1 2 --tokens 60
     # CPU set-up of the compiled cached step (its blocks compiled by regions) against the eager one
@@ -17,6 +21,8 @@ configs/gpu.yaml with the flow cache off (`recompute`: whole-flow graphs over pr
 compiled estimator) or on through the pool (one graph per (streams, new tokens, key tokens) bucket;
 the final chunk recomputes, exactly as upstream):
 
+- `recompute-flex`: `recompute` with the estimator's attention through flex_attention and a block
+  mask instead of SDPA and a dense bias (`token2wav.flow_attention: flex`; models/flow/attention.py);
 - `pool-capacity`: every call attends over the slots' whole capacity, eager step (the pool as first built);
 - `pool-keys`: over the call's key bucket (its streams' filled tokens rounded up), eager step;
 - `pool`: key buckets and the cached step's repeated blocks through torch.compile (configs/gpu.yaml's
@@ -59,6 +65,7 @@ def sync(device: torch.device) -> None:
 
 SETUPS = {  # token2wav config of each setup, over configs/gpu.yaml
     "recompute": {"flow_cache": False},
+    "recompute-flex": {"flow_cache": False, "flow_attention": "flex"},
     "pool-capacity": {"flow_cache": True, "flow_cache_key_tokens": None, "flow_cache_compile": False},
     "pool-keys": {"flow_cache": True, "flow_cache_compile": False},
     "pool": {"flow_cache": True},
@@ -128,7 +135,8 @@ def first_chunk_ms(runner, work, device, repeats: int) -> float:
 
 
 def flow_mel_difference(recompute, pool, work) -> float:
-    """Largest |pool - recompute| over every chunk's flow mel of one stream (each runner on its own stream)."""
+    """Largest |pool - recompute| over every chunk's flow mel of one stream (each runner on its own stream;
+    `pool` may be any runner: recompute-flex is compared the same way)."""
     a, b = work.streams(1)[0], work.streams(1)[0]
     worst = 0.0
     while (ja := a.next_job(llm_done=True)) is not None:
@@ -229,7 +237,7 @@ def main(argv=None) -> None:
                                     "round_ms": [round(ms, 1) for ms, _, _ in rounds]}
             if args.profile_streams:
                 res["profile"] = profile(runner, work, args.profile_streams, device, args.out / setup)
-            if reference is not None and runner.state_pool is not None:
+            if reference is not None and (runner.state_pool is not None or setup == "recompute-flex"):
                 key = f"{setup} {str(dtype).removeprefix('torch.')}"
                 differences[key] = res["max_abs_mel_difference"] = flow_mel_difference(reference, runner, work)
         if device.type == "cuda":
@@ -265,7 +273,7 @@ def main(argv=None) -> None:
             differences["pool-keys float32"] = flow_mel_difference(*pair, work)
         del pair, m
     results["max_abs_mel_difference"] = differences
-    print("max |pool - recompute| flow mel:", differences, flush=True)
+    print("max |setup - eager recompute| flow mel:", differences, flush=True)
     (args.out / "slot_pool_results.json").write_text(json.dumps(results, indent=1, default=str))
 
 

@@ -11,17 +11,21 @@ and hand it to `Token2WavRunner(flow, hift, estimator=...)`; the runner passes i
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..models.flow.attention import ATTENTIONS
 from .base import INPUT_NAMES, OUTPUT_NAME, Estimator, MissingBackendError, RowSplitEstimator
 from .torch_backend import DEFAULT_BATCH_BUCKETS, CompiledEstimator, TorchEstimator, compile_estimator
 
 if TYPE_CHECKING:
     from ..config import Token2WavConfig
     from ..models.flow.flow import Flow
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KINDS", "Estimator", "MissingBackendError", "RowSplitEstimator", "TorchEstimator", "CompiledEstimator",
            "compile_estimator", "make_estimator", "estimator_from_config", "INPUT_NAMES", "OUTPUT_NAME"]
@@ -34,7 +38,7 @@ def make_estimator(kind: str, flow: "Flow", device: torch.device | str | None = 
                    max_frames: int = 3000, opt_frames: int = 500, cache_dir: str | Path | None = None,
                    flow_pt: str | Path | None = None, chunked: bool = True, threads: int | None = None,
                    exporter: str = "legacy", compile: bool = True, cuda_graphs: bool | None = None,
-                   compile_regions: bool = False) -> Estimator:
+                   compile_regions: bool = False, attention: str = "sdpa") -> Estimator:
     """An estimator backend for `flow` (already on its device and in its dtype).
 
     max_batch / opt_batch: estimator rows (2 per stream: conditional + unconditional) that graph
@@ -46,22 +50,30 @@ def make_estimator(kind: str, flow: "Flow", device: torch.device | str | None = 
     graph (onnxruntime / tensorrt), else streaming rows run on PyTorch. threads: onnxruntime
     intra-op threads. compile / cuda_graphs / compile_regions: for "compiled" (cuda_graphs None:
     on CUDA devices; compile_regions: compile the repeated blocks, not the whole module).
+    attention: the recomputing calls' attention, "sdpa" or "flex" (models/flow/attention.py), for
+    "torch" and "compiled"; the graph backends' graphs and their PyTorch fallback keep SDPA.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown estimator backend {kind!r}; choose one of {', '.join(KINDS)}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown flow attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
     module = flow.decoder.estimator
     param = next(module.parameters())
     device = param.device if device is None else torch.device(device)
     dtype = param.dtype if dtype is None else dtype
     if (param.device, param.dtype) != (device, dtype):
         raise ValueError(f"the flow is on {param.device} in {param.dtype}; move it to {device} / {dtype} first")
-    eager = TorchEstimator(module)
+    if kind in ("torch", "compiled") and attention == "flex" and device.type == "cuda" and not (
+            kind == "compiled" and compile):
+        log.warning("flow attention flex on an eager %s estimator: outside torch.compile flex_attention runs "
+                    "unfused (it materialises every score); use estimator: compiled", kind)
     if kind == "torch":
-        return eager
+        return TorchEstimator(module, attention)
     if kind == "compiled":
         buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max(max_batch, 2),)
         return CompiledEstimator(module, compile=compile, cuda_graphs=cuda_graphs, batch_buckets=buckets,
-                                 compile_regions=compile_regions)
+                                 compile_regions=compile_regions, attention=attention)
+    eager = TorchEstimator(module)
 
     from .onnx_export import cached_export
 
@@ -92,4 +104,5 @@ def estimator_from_config(cfg: "Token2WavConfig", flow: "Flow", flow_pt: str | P
     """`make_estimator` with the token2wav config's choices (the flow already on its device / dtype)."""
     return make_estimator(cfg.estimator, flow, max_batch=2 * cfg.max_batch, max_frames=cfg.estimator_max_frames,
                           opt_frames=cfg.estimator_opt_frames, cache_dir=cfg.estimator_cache_dir, flow_pt=flow_pt,
-                          chunked=cfg.estimator_chunked_graph, compile_regions=cfg.compile_regions)
+                          chunked=cfg.estimator_chunked_graph, compile_regions=cfg.compile_regions,
+                          attention=cfg.flow_attention)

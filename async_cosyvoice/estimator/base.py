@@ -51,6 +51,19 @@ class Estimator(Protocol):
         ...
 
 
+def attention_options(module: torch.nn.Module, attention: str) -> dict[str, str]:
+    """The keyword a recomputing call passes the estimator module for its attention
+    (token2wav.flow_attention): none for "sdpa", every module's default; another only where the
+    module's class lists it in `attentions` (CosyVoice2's decoder: "flex")."""
+    if attention == "sdpa":
+        return {}
+    supported = getattr(module, "attentions", ("sdpa",))
+    if attention not in supported:
+        raise ValueError(f"flow attention {attention!r}: the {type(module).__name__} estimator supports "
+                         f"{', '.join(supported)}")
+    return {"attention": attention}
+
+
 def streaming_rows(streaming: bool | Tensor, batch: int, device: torch.device | str = "cpu") -> Tensor:
     """The flag as a (batch,) bool tensor on `device`."""
     if isinstance(streaming, Tensor):

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..graph_buckets import Bucket, GraphBuckets
-from .base import streaming_rows
+from .base import attention_options, streaming_rows
 from .regions import regional, repeated_blocks
 
 log = logging.getLogger(__name__)
@@ -42,15 +42,16 @@ DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
 
 
 class TorchEstimator:
-    """The flow's own module, called as is."""
+    """The flow's own module, called as is (attention: token2wav.flow_attention, base.attention_options)."""
     name = "torch"
     supports_streaming = True
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, attention: str = "sdpa"):
         self.module = module
+        self._attention = attention_options(module, attention)
 
     def __call__(self, x, mask, mu, t, spks, cond, streaming: bool | Tensor = False) -> Tensor:
-        return self.module(x, mask, mu, t, spks, cond, streaming)
+        return self.module(x, mask, mu, t, spks, cond, streaming, **self._attention)
 
     capturable = __call__  # what a caller capturing a larger CUDA graph runs (token2wav/flow_graphs.py)
 
@@ -88,14 +89,16 @@ class CompiledEstimator(GraphBuckets):
     def __init__(self, module: nn.Module, *, compile: bool = True, cuda_graphs: bool | None = None,
                  pad_to_buckets: bool | None = None, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                  min_length_step: int = 64, max_graphs: int = 256, compile_options: dict | None = None,
-                 compile_regions: bool = False, max_cover_frames: int = 8192):
+                 compile_regions: bool = False, max_cover_frames: int = 8192, attention: str = "sdpa"):
         """max_cover_frames: the most rows x frames a larger bucket's graph may add to a call whose
         bucket waits for its capture (GraphBuckets.cover; these graphs run the flow's large calls,
-        past its whole-call graphs: 8192 is a quarter of 16 streams x 512 tokens)."""
+        past its whole-call graphs: 8192 is a quarter of 16 streams x 512 tokens). attention: the
+        module's attention (token2wav.flow_attention; "flex" is fused only where compiled)."""
         param = next(module.parameters())
         super().__init__(param.device, cuda_graphs=cuda_graphs, batch_buckets=batch_buckets, min_step=min_length_step,
                          max_bucket_size=None, max_graphs=max_graphs, max_cover_extra=max_cover_frames)
         self.module, self.dtype = module, param.dtype
+        self._attention = attention_options(module, attention)
         self.pad_to_buckets = self.cuda_graphs if pad_to_buckets is None else pad_to_buckets
         self._warned_batch = False
         self._module_fn = compile_estimator(module, regions=compile_regions, options=compile_options) \
@@ -114,14 +117,14 @@ class CompiledEstimator(GraphBuckets):
 
     def _call_module(self, **inputs: Tensor) -> Tensor:
         try:
-            return self._module_fn(**inputs)
+            return self._module_fn(**inputs, **self._attention)
         except Exception as e:  # noqa: BLE001 — a compiler failure must not take the service down
             if not self._compiled:
                 raise
             log.warning("torch.compile of the flow estimator failed (%s: %s); running it eagerly",
                         type(e).__name__, e)
             self._module_fn, self._compiled = self.module, False
-            return self._module_fn(**inputs)
+            return self._module_fn(**inputs, **self._attention)
 
     def capturable(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                    streaming: bool | Tensor = False) -> Tensor:

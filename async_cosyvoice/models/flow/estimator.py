@@ -3,7 +3,9 @@
 A one-level causal U-Net over time: [resnet + transformers] down, N × [resnet + transformers] mid,
 [resnet + transformers] up on (x, skip), final block and a 1×1 projection. Convolutions are causal
 (left padded) and every conv input is multiplied by the mask, so right padding never leaks into an
-item; attention masks padded keys (and, when streaming, future chunks) with an additive bias.
+item; attention masks padded keys (and, when streaming, future chunks): with an additive bias through
+SDPA, or, for a recomputing call with attention="flex", a flex BlockMask made once per call
+(attention.py).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..dims import EstimatorDims
+from .attention import ATTENTIONS, AttentionMask, attend, flex_block_mask
 from .masks import attention_mask
 from .prefix import Cursor, Geometry
 
@@ -96,14 +99,15 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, heads * head_dim, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim)])
 
-    def forward(self, x: Tensor, bias: Tensor, cache: Cache = None) -> Tensor:
-        """x (B, T, dim), bias (B, 1, T, K) additive (K = T, or the cached call's keys)."""
+    def forward(self, x: Tensor, attn_mask: AttentionMask, cache: Cache = None) -> Tensor:
+        """x (B, T, dim); attn_mask: a (B, 1, T, K) additive bias (K = T, or the cached call's keys) or
+        a flex BlockMask over T x T (attention.py)."""
         B, T, _ = x.shape
         q, k, v = (f(x).view(B, T, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
         if cache is not None:
             cursor, g = cache
             k, v = cursor.attention(k, v, g)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = attend(q, k, v, attn_mask)
         return self.to_out[0](out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -139,8 +143,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, act_fn)
 
-    def forward(self, x: Tensor, bias: Tensor, cache: Cache = None) -> Tensor:
-        x = x + self.attn1(self.norm1(x), bias, cache)
+    def forward(self, x: Tensor, attn_mask: AttentionMask, cache: Cache = None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), attn_mask, cache)
         return x + self.ff(self.norm3(x))
 
 
@@ -148,6 +152,7 @@ class CausalConditionalDecoder(nn.Module):
     # what regional compilation compiles (estimator/regions.py: the recompute estimator, compile_estimator, and the
     # cached slot call, token2wav/slot_regions.py): one program per block class
     repeated_blocks = (TransformerBlock, CausalResnetBlock1D)
+    attentions = ATTENTIONS  # what the recomputing calls' `attention` may be (token2wav.flow_attention)
 
     def __init__(self, dims: EstimatorDims):
         super().__init__()
@@ -184,40 +189,50 @@ class CausalConditionalDecoder(nn.Module):
         cond: Tensor,
         streaming: bool | Tensor = False,
         cache: Cache = None,
+        attention: str = "sdpa",
     ) -> Tensor:
         """x, mu, cond (B, 80, T); mask (B, 1, T); t (B,); spks (B, 80) -> v (B, 80, T), zero where masked.
 
         streaming (bool or (B,) bool): attention limited to chunks of static_chunk_size frames from frame 0.
         cache: a cached streaming call (prefix.py): the T frames are each item's new frames, the
         attention keys and conv context before them come from the cursor, `streaming` is ignored.
+        attention: "sdpa" (an additive bias) or "flex" (a BlockMask; attention.py) for a call without
+        `cache`; a cached call always attends through SDPA over its cursor's keys.
         """
         t = self.time_mlp(timestep_embedding(t, self.dims.in_channels).to(x.dtype))
         x = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(2)), cond], dim=1)
         if cache is None:
-            bias = self.attention_bias(mask, streaming, x.dtype)
+            attn_mask = self.attention_mask(mask, streaming, x.dtype, attention)
         else:  # the same for every CFM step of the call: made once
             g = cache[1]
             key = ("estimator bias", x.size(0), x.dtype)
             if key not in g.index_cache:
                 allowed = g.attention_mask(self.dims.static_chunk_size).repeat(x.size(0) // g.B, 1, 1)
                 g.index_cache[key] = _additive(allowed, x.dtype)
-            bias = g.index_cache[key]
+            attn_mask = g.index_cache[key]
 
         (resnet, blocks, down), = self.down_blocks
-        x = _attend(blocks, resnet(x, mask, t, cache), bias, cache)
+        x = _attend(blocks, resnet(x, mask, t, cache), attn_mask, cache)
         skip = x
         x = down(x * mask, cache)
         for resnet, blocks in self.mid_blocks:
-            x = _attend(blocks, resnet(x, mask, t, cache), bias, cache)
+            x = _attend(blocks, resnet(x, mask, t, cache), attn_mask, cache)
         (resnet, blocks, up), = self.up_blocks
-        x = _attend(blocks, resnet(torch.cat([x, skip], dim=1), mask, t, cache), bias, cache)
+        x = _attend(blocks, resnet(torch.cat([x, skip], dim=1), mask, t, cache), attn_mask, cache)
         x = up(x * mask, cache)
         x = self.final_block(x, mask, cache)
         return self.final_proj(x * mask) * mask
 
-    def attention_bias(self, mask: Tensor, streaming: bool | Tensor, dtype: torch.dtype) -> Tensor:
-        """(B, 1, T) frame mask -> (B, 1, T, T) additive bias: 0 where allowed, −1e10 elsewhere."""
-        return _additive(attention_mask(mask[:, 0] > 0, self.dims.static_chunk_size, streaming), dtype)
+    def attention_mask(self, mask: Tensor, streaming: bool | Tensor, dtype: torch.dtype,
+                       attention: str = "sdpa") -> AttentionMask:
+        """(B, 1, T) frame mask (a length mask) -> the blocks' attention mask: "sdpa", a (B, 1, T, T)
+        additive bias, 0 where allowed, −1e10 elsewhere; "flex", the BlockMask of the same rule."""
+        valid, chunk = mask[:, 0] > 0, self.dims.static_chunk_size
+        if attention == "flex":
+            return flex_block_mask(valid, chunk, streaming)
+        if attention != "sdpa":
+            raise ValueError(f"estimator attention={attention!r}: choose one of {', '.join(ATTENTIONS)}")
+        return _additive(attention_mask(valid, chunk, streaming), dtype)
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
@@ -228,8 +243,8 @@ def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     ).unsqueeze(1)
 
 
-def _attend(blocks: nn.ModuleList, x: Tensor, bias: Tensor, cache: Cache = None) -> Tensor:
+def _attend(blocks: nn.ModuleList, x: Tensor, attn_mask: AttentionMask, cache: Cache = None) -> Tensor:
     x = x.transpose(1, 2)
     for block in blocks:
-        x = block(x, bias, cache)
+        x = block(x, attn_mask, cache)
     return x.transpose(1, 2)

@@ -13,14 +13,18 @@ def length_mask(lengths: Tensor, max_len: int) -> Tensor:
     return torch.arange(max_len, device=lengths.device) < lengths.unsqueeze(1)
 
 
-def chunk_mask(size: int, chunk: int, device: torch.device | str | None = None) -> Tensor:
-    """(size, size) bool: frame i sees every frame of its own chunk and all chunks before it.
+def chunk_end(pos: Tensor, chunk: int) -> Tensor:
+    """The end (exclusive) of the chunk holding frame `pos`: what a streaming frame attends up to.
 
     Chunks are counted from frame 0 of the whole (prompt + target) sequence.
     """
+    return (torch.div(pos, chunk, rounding_mode="floor") + 1) * chunk
+
+
+def chunk_mask(size: int, chunk: int, device: torch.device | str | None = None) -> Tensor:
+    """(size, size) bool: frame i sees every frame of its own chunk and all chunks before it."""
     pos = torch.arange(size, device=device)
-    chunk_end = (torch.div(pos, chunk, rounding_mode="floor") + 1) * chunk
-    return pos.unsqueeze(0) < chunk_end.unsqueeze(1)
+    return pos.unsqueeze(0) < chunk_end(pos, chunk).unsqueeze(1)
 
 
 def attention_mask(valid: Tensor, chunk: int, streaming: bool | Tensor) -> Tensor:
