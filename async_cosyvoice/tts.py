@@ -281,7 +281,7 @@ class Synthesizer:
 
     def stage_stats(self) -> list[StageStats]:
         """The device stages' own busy-time counters (the engine's steps, token2wav batches)."""
-        stats = [self.engine.stage_stats] if self.engine.stage_stats is not None else []
+        stats = [s for s in (self.engine.stage_stats, self.engine.prefill_stats) if s is not None]
         return totals(stats + self.batcher.stage_stats_list())
 
     @property

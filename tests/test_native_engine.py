@@ -7,6 +7,7 @@ import torch
 
 from async_cosyvoice.engine.base import EngineStats, GenerationRequest, SpeechTokenEngine, length_limits
 from async_cosyvoice.engine.native import NativeEngine, NativeEngineConfig
+from async_cosyvoice.engine.sequence import Sequence
 from async_cosyvoice.errors import InvalidRequest
 from async_cosyvoice.models.dims import EOS2_TOKEN, EOS_TOKEN, STOP_TOKENS, RASParams
 from async_cosyvoice.sampling import ras_sample
@@ -104,6 +105,10 @@ def test_chunked_prefill_matches_reference(lm, inputs):
     steps = engine.stage_stats
     assert steps.calls > 20 + 130 // 24 and steps.failed == 0 and steps.busy_s > 0
     assert steps.items >= 20 + 30  # every decode row and prefill chunk counted
+    # the steps that fed prompt rows: every prompt row once, in chunks of at most the 24-token budget
+    prefills, prompt_rows = engine.prefill_stats, sum(Sequence(r, None).segment_len for r in reqs)
+    assert prefills.items == prompt_rows and prompt_rows / 24 <= prefills.calls < steps.calls
+    assert 0 < prefills.busy_s <= steps.busy_s
 
 
 def _biased(lm, token: int) -> torch.nn.Module:

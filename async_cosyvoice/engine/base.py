@@ -79,6 +79,9 @@ class SpeechTokenEngine(Protocol):
     # busy-time counters of the engine's step thread (steps, rows, seconds); None when the engine
     # steps where we cannot time it
     stage_stats: StageStats | None
+    # of those, the steps that fed prompt rows (a prefill, alone or beside decode rows): their seconds and
+    # prompt rows; None where stage_stats is
+    prefill_stats: StageStats | None
 
     async def start(self) -> None: ...
 

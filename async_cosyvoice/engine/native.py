@@ -83,6 +83,7 @@ class NativeEngine:
         self._text_vocab = model.dims.qwen.vocab_size
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
         self.stage_stats = StageStats("llm_step")  # steps, rows (decode + prefill), busy seconds
+        self.prefill_stats = StageStats("llm_prefill_step")  # the steps that fed prompt rows; items: those rows
         self._seqs: dict[str, Sequence] = {}
         self._lock = threading.Lock()  # the scheduler, _seqs and the sequences' state: step thread and loop
         self._wake = threading.Event()  # set: a request, text or stop may have given the idle step thread work
@@ -318,6 +319,8 @@ class NativeEngine:
                 continue
             sampled, seconds, ok = timed_call(self.runner.step, plan)
             self.stage_stats.record(seconds, len(plan.sequences), ok)
+            if plan.prefill:
+                self.prefill_stats.record(seconds, sum(c.end - c.start for c in plan.prefill), ok)
             with self._lock:
                 if ok:
                     delivered = self._commit(plan, sampled)

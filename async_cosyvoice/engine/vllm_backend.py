@@ -117,6 +117,7 @@ class VLLMEngine:
 
     supports_bistream = True  # through vLLM's streaming input (generate_bistream)
     stage_stats = None  # vLLM's engine core runs its steps out of our sight (its own process)
+    prefill_stats = None
 
     def __init__(self, lm: "CosyVoice2LM | None", model_dir: "ModelDir | str | Path",
                  args: VLLMEngineArgs = VLLMEngineArgs()):

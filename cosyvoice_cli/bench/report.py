@@ -64,20 +64,20 @@ def format_stages(levels: list[dict], title: str = "stages") -> str:
     """Where each level's device time went, from the stages' own counters: busy fraction of the
     level's wall time, ms per call and items per call of the LLM steps and token2wav batches; and,
     from a server, the mean first chunk split into tokens / wait / t2w (ms)."""
-    lines = [f"{title} (busy fraction of the level's wall time; ms per call; items per call; "
-             "first chunk mean ms: until its tokens / waiting for a batch / the batch; of its tokens' time, until "
-             "the first token):",
-             f"{'conc':>5} {'LLM busy':>9} {'ms/step':>8} {'t2w busy':>9} {'ms/batch':>9} {'jobs/batch':>10} "
+    lines = [f"{title} (busy fraction of the level's wall time; ms per call (LLM: every step, the steps with a "
+             "prefill); items per call; first chunk mean ms: until its tokens / waiting for a batch / the batch; of "
+             "its tokens' time, until the first token):",
+             f"{'conc':>5} {'LLM busy':>9} {'ms/step':>8} {'prefill':>8} {'t2w busy':>9} {'ms/batch':>9} {'jobs/batch':>10} "
              f"{'1st tokens':>10} {'1st wait':>9} {'1st t2w':>8} {'1st token':>9}"]
 
     def f(d, k, fmt):
         return fmt.format(d[k]) if d.get(k) is not None else "-"
     for lv in levels:
         st = lv.get("stages") or {}
-        llm, t2w = st.get("llm_step", {}), st.get("token2wav_batch", {})
+        llm, prefill, t2w = st.get("llm_step", {}), st.get("llm_prefill_step", {}), st.get("token2wav_batch", {})
         parts = [st.get(f"first_chunk_{p}", {}) for p in ("tokens", "wait", "t2w", "first_token")]
         lines.append(f"{lv['concurrency']:5d} {f(llm, 'busy_fraction', '{:9.2f}'):>9} "
-                     f"{f(llm, 'ms_per_call', '{:8.1f}'):>8} "
+                     f"{f(llm, 'ms_per_call', '{:8.1f}'):>8} {f(prefill, 'ms_per_call', '{:8.1f}'):>8} "
                      f"{f(t2w, 'busy_fraction', '{:9.2f}'):>9} {f(t2w, 'ms_per_call', '{:9.1f}'):>9} "
                      f"{f(t2w, 'items_per_call', '{:10.1f}'):>10} "
                      + " ".join(f"{f(d, 'ms_per_call', '{:.1f}'):>{w}}" for d, w in zip(parts, (10, 9, 8, 9))))

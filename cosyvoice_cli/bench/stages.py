@@ -43,7 +43,7 @@ class SynthesizerStages:
         self.synth = synth
 
     async def read(self) -> dict[str, StageStats]:
-        stages = [self.synth.engine.stage_stats, self.synth.batcher.stage_stats]
+        stages = [self.synth.engine.stage_stats, self.synth.engine.prefill_stats, self.synth.batcher.stage_stats]
         return {s.name: s.copy() for s in stages if s is not None}
 
 
