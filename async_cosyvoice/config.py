@@ -60,6 +60,9 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = Field(4096, ge=64)
     cuda_graphs: bool = True
     compile: bool = False  # native engine: torch.compile the decode step (CUDA; slower start, faster steps)
+    # native engine, CUDA: a new request's prompt (up to 512 positions), when its step prefills it alone, as a
+    # CUDA graph per width bucket (64, 128, 256, 512) instead of a forward launched kernel by kernel from Python
+    prefill_graphs: bool = False
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     enforce_eager: bool = True
     cpu_kvcache_space_gib: int = Field(1, ge=1)

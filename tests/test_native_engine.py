@@ -1,5 +1,6 @@
 """The native engine against the plain reference loop (greedy), plus lengths, stops, aborts, load."""
 import asyncio
+import copy
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from async_cosyvoice.engine.base import EngineStats, GenerationRequest, SpeechTokenEngine, length_limits
 from async_cosyvoice.engine.native import NativeEngine, NativeEngineConfig
+from async_cosyvoice.engine.scheduler import PrefillChunk
 from async_cosyvoice.engine.sequence import Sequence
 from async_cosyvoice.errors import InvalidRequest
 from async_cosyvoice.models.dims import EOS2_TOKEN, EOS_TOKEN, STOP_TOKENS, RASParams
@@ -245,3 +247,49 @@ def test_invalid_requests(lm, inputs):
         await gen.aclose()
         assert engine.stats() == EngineStats()
     run_engine(make_engine(lm), body)
+
+
+def test_prompts_in_prefill_buckets_match_the_reference(lm, inputs):
+    """prefill_graphs: a prompt prefilled alone runs padded to its width bucket (on CUDA as that
+    bucket's graph; here the same padded call without one) and samples what the plain prefill does;
+    prompts that share a step's prefill, or are wider than every bucket, take the plain path."""
+    reqs = [make_request(inputs, m, f"r{i}", max_tokens=25 + 3 * i) for i, m in enumerate(MODES)]
+    widths = []
+
+    async def body(engine):
+        runner = engine.runner
+        alone = [await collect(engine, r) for r in reqs]  # one at a time: each prompt alone in its prefill
+        widths.append(runner.bucketed_prefills)
+        widths.extend(runner.prefill_graph_width([PrefillChunk(Sequence(r, None), 0, Sequence(r, None).segment_len)])
+                      for r in reqs)
+        together = await asyncio.gather(*(collect(engine, r) for r in reqs))  # prompts in one step's prefill
+        return alone, together
+    alone, together = run_engine(make_engine(lm, prefill_graphs=True), body)
+    for req, a, t in zip(reqs, alone, together):
+        assert a == t == reference(lm, req), req.request_id
+    assert widths[0] == len(reqs) and all(w in (64, 128, 256, 512) for w in widths[1:]), widths
+
+    runner = make_engine(lm, prefill_graphs=True, max_model_len=512).runner
+    seq = Sequence(reqs[0], None)
+    assert runner.prefill_graph_width([PrefillChunk(seq, 0, seq.segment_len)]) == next(
+        w for w in (64, 128, 256, 512) if w >= seq.segment_len)
+    assert runner.prefill_graph_width([PrefillChunk(seq, 0, 10)]) is None  # a prompt's first part (chunked)
+    assert runner.prefill_graph_width([PrefillChunk(seq, 0, seq.segment_len)] * 2) is None  # two prompts
+    assert make_engine(lm).runner.prefill_graph_width([PrefillChunk(seq, 0, seq.segment_len)]) is None  # off
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_graphs_match_the_plain_prefill_on_cuda(lm, inputs):
+    """On a GPU: each prompt alone in its step's prefill replays its width bucket's CUDA graph and
+    samples the same greedy tokens as the plain (eager, unpadded) prefill."""
+    reqs = [make_request(inputs, m, f"r{i}", max_tokens=20) for i, m in enumerate(MODES)]
+
+    async def body(engine):
+        return [await collect(engine, r) for r in reqs]
+    outs = {}
+    for graphs in (False, True):
+        engine = make_engine(copy.deepcopy(lm), device="cuda", prefill_graphs=graphs)
+        outs[graphs] = run_engine(engine, body)
+        if graphs:
+            assert engine.runner.bucketed_prefills == len(reqs) and engine.runner.prefill_graphs
+    assert outs[True] == outs[False]

@@ -23,7 +23,8 @@ def create_engine(config: "Config", lm: "CosyVoice2LM", model_dir: "ModelDir") -
         return NativeEngine(lm, NativeEngineConfig(
             max_num_seqs=e.max_num_seqs, max_model_len=e.max_model_len,
             max_num_batched_tokens=e.max_num_batched_tokens, device=config.model.device,
-            dtype=config.model.llm_dtype, cuda_graphs=e.cuda_graphs, compile=e.compile))
+            dtype=config.model.llm_dtype, cuda_graphs=e.cuda_graphs, compile=e.compile,
+            prefill_graphs=e.prefill_graphs))
     if e.kind == "vllm":
         try:
             import vllm  # noqa: F401

@@ -52,6 +52,10 @@ class RunnerConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     min_graph_kv_len: int = 256  # attention-length buckets: powers of two from here to max_model_len
     compile: bool = False  # CUDA only: torch.compile each decoder layer (fuses norms and RoPE)
+    # a new request's whole prompt, alone in its step's prefill, as one CUDA graph per width bucket (its
+    # forward and the first token's sampling); off CUDA the same padded call runs without a graph
+    prefill_graphs: bool = False
+    prefill_graph_widths: tuple[int, ...] = (64, 128, 256, 512)
 
 
 class ModelRunner:
@@ -76,6 +80,8 @@ class ModelRunner:
         else:
             self.generator.manual_seed(seed)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # by width bucket
+        self.bucketed_prefills = 0  # prompts prefilled in a width bucket (replays, on CUDA)
         self._stream: torch.cuda.Stream | None = None  # CUDA: created by the step thread
         self._graph_pool = None
         self._capture_stream: torch.cuda.Stream | None = None
@@ -100,6 +106,15 @@ class ModelRunner:
                                        device=self.device)
         self._graph_uniforms = torch.zeros(len(self._graph_slots), 2, dtype=torch.float64, device=self.device)
         self._graph_force = torch.zeros(len(self._graph_slots), dtype=torch.bool, device=self.device)
+        # the prefill graphs' inputs: one prompt of up to the widest bucket (each graph reads its leading W)
+        widths = self._prefill_widths()
+        self._prefill_x = torch.zeros(1, max(widths, default=0), self.model.dims.qwen.hidden_size,
+                                      dtype=cfg.dtype, device=self.device)
+        self._prefill_positions = torch.full((1, max(widths, default=0)), -1, dtype=torch.long, device=self.device)
+        self._prefill_slot = torch.full((1,), self.scratch, dtype=torch.long, device=self.device)
+        self._prefill_last = torch.zeros(1, dtype=torch.long, device=self.device)  # the prompt's last row
+        self._prefill_uniforms = torch.zeros(1, 2, dtype=torch.float64, device=self.device)
+        self._prefill_force = torch.zeros(1, dtype=torch.bool, device=self.device)
 
     @property
     def use_graphs(self) -> bool:
@@ -208,6 +223,8 @@ class ModelRunner:
         self._init_slots([c.seq for c in chunks if c.start == 0])
         self._put([c.seq for c in chunks if c.start == c.seq.segment_start], self.min_tokens,
                   [c.seq.min_tokens for c in chunks if c.start == c.seq.segment_start], torch.long)
+        if (width := self.prefill_graph_width(chunks)) is not None:
+            return self._prefill_bucketed(chunks[0], width), None
         width = max(c.end - c.start for c in chunks)
         x = torch.zeros(len(chunks), width, self.model.dims.qwen.hidden_size, dtype=self.cfg.dtype,
                         device=self.device)
@@ -229,6 +246,44 @@ class ModelRunner:
         tokens, logp = self._sample(hidden[rows, ends], slots[rows], self._uniforms(done),
                                     self._force(done).to(self.device))
         return tokens.tolist(), logp
+
+    def prefill_graph_width(self, chunks: list[PrefillChunk]) -> int | None:
+        """The width bucket whose prefill graph runs this step's prefill, or None (it runs as a padded
+        batch, eagerly): a single chunk that is a whole prompt from position 0 and fits a bucket."""
+        if not self.cfg.prefill_graphs or self.recorder is not None or len(chunks) != 1:
+            return None
+        c = chunks[0]
+        if c.start != 0 or not c.is_last:
+            return None
+        return next((w for w in self._prefill_widths() if w >= c.end), None)
+
+    def _prefill_bucketed(self, c: PrefillChunk, width: int) -> list[int]:
+        """A whole prompt in its width bucket's graph (off CUDA: the same padded call without one)."""
+        rows = c.end
+        self._prefill_x[0, :rows] = self._segment_embeds(c.seq)[:rows]
+        self._prefill_x[0, rows:].zero_()
+        self._prefill_positions.fill_(-1)
+        self._prefill_positions[0, :rows] = torch.arange(rows, device=self.device)
+        self._prefill_slot.fill_(c.seq.slot)
+        self._prefill_last.fill_(rows - 1)
+        self._prefill_uniforms.copy_(self._uniforms([c.seq]))
+        self._prefill_force.copy_(self._force([c.seq]), non_blocking=True)
+        if self.use_graphs:
+            graph, tokens = self.prefill_graphs.get(width) or self._capture_prefill(width)
+            graph.replay()
+        else:
+            tokens, _ = self._prefill_rows(width)
+        self._put([c.seq], self.position, [c.end], torch.long)
+        self.bucketed_prefills += 1
+        return tokens.tolist()
+
+    def _prefill_rows(self, width: int) -> tuple[Tensor, Tensor | None]:
+        """Static-shape prefill of the prompt in the prefill buffers' leading `width` rows (padding:
+        position -1, written to the scratch slot), then its first token sampled. Graph-capturable."""
+        x, positions = self._prefill_x[:, :width], self._prefill_positions[:, :width]
+        hidden = self.model.backbone(x, positions, self.cache, self._prefill_slot, width)
+        return self._sample(hidden[0].index_select(0, self._prefill_last), self._prefill_slot,
+                            self._prefill_uniforms, self._prefill_force)
 
     def _segment_embeds(self, seq: Sequence) -> Tensor:
         if seq.segment_embeds is None:
@@ -271,6 +326,11 @@ class ModelRunner:
         attending over `kv_len` positions."""
         return self._bucket(batch, self._batch_buckets()), self._bucket(kv_len, self._kv_buckets())
 
+    def _prefill_widths(self) -> list[int]:
+        if not self.cfg.prefill_graphs:
+            return []
+        return sorted(w for w in self.cfg.prefill_graph_widths if w <= self.cfg.max_model_len)
+
     @staticmethod
     def _bucket(n: int, buckets: list[int]) -> int:
         return next(b for b in buckets if b >= n)
@@ -295,6 +355,8 @@ class ModelRunner:
         for kv_len in reversed(self._kv_buckets()):
             for batch in reversed(self._batch_buckets()):
                 self._capture(batch, kv_len)
+        for width in reversed(self._prefill_widths()):
+            self._capture_prefill(width)
 
     @torch.inference_mode()
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
@@ -318,4 +380,26 @@ class ModelRunner:
             tokens, _ = self._decode_rows(slots, uniforms, force, kv_len)
         torch.cuda.synchronize(self.device)
         self.graphs[(batch, kv_len)] = (graph, tokens)
+        return graph, tokens
+
+    @torch.inference_mode()
+    def _capture_prefill(self, width: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """The prefill graph of `width` rows, captured on the scratch slot (its inputs are the
+        prefill buffers, which a call fills before the replay)."""
+        with CAPTURES.capturing("LLM prefill"):
+            self._prefill_slot.fill_(self.scratch)
+            self._prefill_positions.fill_(-1)
+            self._prefill_last.zero_()
+            self._prefill_rows(width)  # warm-up: kernels chosen, lazy buffers made
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(self.device)
+            with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream,
+                                  capture_error_mode="thread_local"):
+                tokens, _ = self._prefill_rows(width)
+            torch.cuda.synchronize(self.device)
+        self.prefill_graphs[width] = (graph, tokens)
         return graph, tokens

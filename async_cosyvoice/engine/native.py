@@ -57,6 +57,7 @@ class NativeEngineConfig:
     cuda_graphs: bool = True  # CUDA only; decode steps replay captured graphs
     warm_up_at_start: bool = True  # compile and capture graphs in start(), not on first use
     compile: bool = False  # CUDA only: torch.compile the decoder layers (~20 s more start-up)
+    prefill_graphs: bool = False  # a whole prompt alone in its step's prefill: one graph per width bucket
     history_len: int = 32  # longest RAS win_size accepted
     max_top_k: int = 100  # largest RAS top_k accepted
     seed: int | None = None  # draws of requests without their own seed
@@ -65,7 +66,8 @@ class NativeEngineConfig:
         dtype = _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype
         return RunnerConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                             device=self.device, dtype=dtype, cuda_graphs=self.cuda_graphs,
-                            history_len=self.history_len, max_top_k=self.max_top_k, compile=self.compile)
+                            history_len=self.history_len, max_top_k=self.max_top_k, compile=self.compile,
+                            prefill_graphs=self.prefill_graphs)
 
 
 class NativeEngine:
