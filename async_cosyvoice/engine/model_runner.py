@@ -360,13 +360,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        with CAPTURES.capturing("LLM decode step"):
-            return self._capture_graph(batch, kv_len)
-
-    def _capture_graph(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         slots, uniforms, force = self._graph_slots[:batch], self._graph_uniforms[:batch], self._graph_force[:batch]
         slots.fill_(self.scratch)
-        self._decode_rows(slots, uniforms, force, kv_len)  # warm-up: kernels chosen, lazy buffers made
+        with CAPTURES.capturing("LLM decode step"):
+            self.graphs[(batch, kv_len)] = self._captured(lambda: self._decode_rows(slots, uniforms, force, kv_len))
+        return self.graphs[(batch, kv_len)]
+
+    @torch.inference_mode()
+    def _capture_prefill(self, width: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """The prefill graph of `width` rows, captured on the scratch slot (its inputs are the
+        prefill buffers, which a call fills before the replay)."""
+        self._prefill_slot.fill_(self.scratch)
+        self._prefill_positions.fill_(-1)
+        self._prefill_last.zero_()
+        with CAPTURES.capturing("LLM prefill"):
+            self.prefill_graphs[width] = self._captured(lambda: self._prefill_rows(width))
+        return self.prefill_graphs[width]
+
+    def _captured(self, rows) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """rows() (a step's static-shape forward and sampling) run once, then captured as a CUDA
+        graph in the runner's pool; returns the graph and its sampled-tokens output."""
+        rows()  # warm-up: kernels chosen, lazy buffers made
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
@@ -377,29 +391,6 @@ class ModelRunner:
         # made on the device of the first capture (another replica's GPU, with several devices)
         with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream,
                               capture_error_mode="thread_local"):
-            tokens, _ = self._decode_rows(slots, uniforms, force, kv_len)
+            tokens, _ = rows()
         torch.cuda.synchronize(self.device)
-        self.graphs[(batch, kv_len)] = (graph, tokens)
-        return graph, tokens
-
-    @torch.inference_mode()
-    def _capture_prefill(self, width: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        """The prefill graph of `width` rows, captured on the scratch slot (its inputs are the
-        prefill buffers, which a call fills before the replay)."""
-        with CAPTURES.capturing("LLM prefill"):
-            self._prefill_slot.fill_(self.scratch)
-            self._prefill_positions.fill_(-1)
-            self._prefill_last.zero_()
-            self._prefill_rows(width)  # warm-up: kernels chosen, lazy buffers made
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            if self._capture_stream is None:
-                self._capture_stream = torch.cuda.Stream(self.device)
-            with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream,
-                                  capture_error_mode="thread_local"):
-                tokens, _ = self._prefill_rows(width)
-            torch.cuda.synchronize(self.device)
-        self.prefill_graphs[width] = (graph, tokens)
         return graph, tokens
